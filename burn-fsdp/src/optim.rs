@@ -1,0 +1,277 @@
+//! AdamW with PyTorch semantics, and global gradient-norm clipping.
+//!
+//! Burn's own `AdamW` is mathematically close to PyTorch's but computes the bias corrections
+//! in `f32` and differs in operation order; Burn's `GradientClippingConfig::Norm` clips each
+//! parameter separately. Reproducing PyTorch trajectories needs both exactly as
+//! `torch.optim.AdamW` (single-tensor path) and `torch.nn.utils.clip_grad_norm_` do them, so
+//! they are written here. The same optimizer steps FSDP shards: it only sees `Param`s and
+//! their gradients, whatever their shapes.
+
+use std::collections::HashMap;
+
+use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::Tensor;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+
+/// Hyper-parameters of [`AdamW`] (PyTorch names and defaults, except `weight_decay`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWConfig {
+    /// Learning rate.
+    pub lr: f64,
+    /// Coefficients of the running averages of the gradient and its square.
+    pub betas: (f64, f64),
+    /// Added to the denominator, outside the square root.
+    pub eps: f64,
+    /// Decoupled weight decay: `p *= 1 - lr * weight_decay` before the Adam update.
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        Self { lr: 1e-3, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 1e-2 }
+    }
+}
+
+impl AdamWConfig {
+    /// Builds the optimizer with empty state.
+    pub fn init<B: Backend>(&self) -> AdamW<B> {
+        AdamW { config: *self, state: HashMap::new() }
+    }
+}
+
+/// The Adam state of one parameter, flattened to 1D.
+#[derive(Debug, Clone)]
+pub struct AdamState<B: Backend> {
+    /// Number of updates applied so far.
+    pub step: u64,
+    /// Running average of the gradient (`exp_avg`), flattened.
+    pub exp_avg: Tensor<B, 1>,
+    /// Running average of the squared gradient (`exp_avg_sq`), flattened.
+    pub exp_avg_sq: Tensor<B, 1>,
+}
+
+/// AdamW exactly as `torch.optim.AdamW` (`foreach=False`) computes it.
+///
+/// Per parameter `p` with gradient `g`, at step `t`:
+/// ```text
+/// p   *= 1 - lr·wd
+/// m    = m + (1-β1)(g - m)          (lerp)
+/// v    = β2·v + (1-β2)·g·g
+/// p   -= lr/(1-β1^t) · m / (sqrt(v)/sqrt(1-β2^t) + eps)
+/// ```
+///
+/// # Example
+///
+/// ```
+/// use burn::backend::{Autodiff, NdArray};
+/// use burn::module::Param;
+/// use burn::optim::GradientsParams;
+/// use burn::tensor::Tensor;
+/// use burn_fsdp::AdamWConfig;
+///
+/// type B = Autodiff<NdArray>;
+/// let device = Default::default();
+/// let w = Param::from_tensor(Tensor::<B, 1>::from_floats([1.0, -2.0], &device));
+/// let loss = (w.val() * w.val()).sum();
+/// let grads = GradientsParams::from_grads(loss.backward(), &w);
+/// let mut adam = AdamWConfig { lr: 0.1, ..Default::default() }.init();
+/// let w = adam.step(w, grads);
+/// assert_eq!(adam.state_len(), 1);
+/// # let _ = w;
+/// ```
+#[derive(Debug, Clone)]
+pub struct AdamW<B: Backend> {
+    config: AdamWConfig,
+    state: HashMap<ParamId, AdamState<B>>,
+}
+
+impl<B: Backend> AdamW<B> {
+    /// The hyper-parameters.
+    pub fn config(&self) -> &AdamWConfig {
+        &self.config
+    }
+
+    /// Changes the learning rate (for schedules).
+    pub fn set_lr(&mut self, lr: f64) {
+        self.config.lr = lr;
+    }
+
+    /// Number of parameters with state.
+    pub fn state_len(&self) -> usize {
+        self.state.len()
+    }
+
+    /// The state of one parameter, if it has been stepped.
+    pub fn state(&self, id: &ParamId) -> Option<&AdamState<B>> {
+        self.state.get(id)
+    }
+
+    /// Replaces the state of one parameter (checkpoint loading).
+    pub fn set_state(&mut self, id: ParamId, state: AdamState<B>) {
+        self.state.insert(id, state);
+    }
+
+    /// Moves every state tensor with `f` (e.g. to another device).
+    pub fn map_state(&mut self, mut f: impl FnMut(Tensor<B, 1>) -> Tensor<B, 1>) {
+        for s in self.state.values_mut() {
+            s.exp_avg = f(s.exp_avg.clone());
+            s.exp_avg_sq = f(s.exp_avg_sq.clone());
+        }
+    }
+
+    /// Applies one update to a single tensor and returns the new value.
+    ///
+    /// # Shapes
+    /// - `param`, `grad`: any shape, equal.
+    pub fn update_tensor<const D: usize>(
+        &mut self,
+        id: ParamId,
+        param: Tensor<B, D>,
+        grad: Tensor<B, D>,
+    ) -> Tensor<B, D> {
+        let shape = param.shape();
+        let n = shape.num_elements();
+        let g = grad.reshape([n]);
+        let p = param.reshape([n]);
+        let AdamWConfig { lr, betas: (b1, b2), eps, weight_decay } = self.config;
+        let state = self.state.remove(&id).unwrap_or_else(|| AdamState {
+            step: 0,
+            exp_avg: g.zeros_like(),
+            exp_avg_sq: g.zeros_like(),
+        });
+        let step = state.step + 1;
+        let p = if weight_decay != 0.0 { p.mul_scalar(1.0 - lr * weight_decay) } else { p };
+        let m = state.exp_avg.clone() + (g.clone() - state.exp_avg).mul_scalar(1.0 - b1);
+        let v = state.exp_avg_sq.mul_scalar(b2) + g.clone().mul(g).mul_scalar(1.0 - b2);
+        let bias_correction1 = 1.0 - b1.powi(step as i32);
+        let bias_correction2 = 1.0 - b2.powi(step as i32);
+        let step_size = lr / bias_correction1;
+        let denom = v.clone().sqrt().div_scalar(bias_correction2.sqrt()).add_scalar(eps);
+        let p = p - m.clone().div(denom).mul_scalar(step_size);
+        self.state.insert(id, AdamState { step, exp_avg: m, exp_avg_sq: v });
+        p.reshape(shape)
+    }
+}
+
+impl<B: Backend> AdamW<B> {
+    /// Steps every parameter of `module` that has a gradient in `grads`.
+    pub fn step<AB, M>(&mut self, module: M, mut grads: GradientsParams) -> M
+    where
+        AB: AutodiffBackend<InnerBackend = B>,
+        M: AutodiffModule<AB>,
+    {
+        let mut mapper = StepMapper { optim: self, grads: &mut grads };
+        module.map(&mut mapper)
+    }
+}
+
+struct StepMapper<'a, B: Backend> {
+    optim: &'a mut AdamW<B>,
+    grads: &'a mut GradientsParams,
+}
+
+impl<AB: AutodiffBackend> ModuleMapper<AB> for StepMapper<'_, AB::InnerBackend> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<AB, D>>) -> Param<Tensor<AB, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let Some(grad) = self.grads.remove::<AB::InnerBackend, D>(id) else {
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
+        let require_grad = tensor.is_require_grad();
+        let updated = self.optim.update_tensor(id, tensor.inner(), grad);
+        let mut updated = Tensor::from_inner(updated);
+        if require_grad {
+            updated = updated.require_grad();
+        }
+        Param::from_mapped_value(id, updated, mapper)
+    }
+}
+
+/// Sum of squares of every gradient of `module` found in `grads` (as an `f64`).
+///
+/// This is the local part of a global norm: FSDP sums it over ranks before the square root.
+pub fn grad_sq_sum<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+    module: &M,
+    grads: &GradientsParams,
+) -> f64 {
+    struct SqSum<'a, B: Backend> {
+        grads: &'a GradientsParams,
+        total: Option<Tensor<B, 1>>,
+    }
+    impl<AB: AutodiffBackend> ModuleVisitor<AB> for SqSum<'_, AB::InnerBackend> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            if let Some(g) = self.grads.get::<AB::InnerBackend, D>(param.id) {
+                let s = g.square().sum();
+                self.total = Some(match self.total.take() {
+                    Some(t) => t + s,
+                    None => s,
+                });
+            }
+        }
+    }
+    let mut v = SqSum::<AB::InnerBackend> { grads, total: None };
+    module.visit(&mut v);
+    v.total.map(|t| t.into_scalar_f64()).unwrap_or(0.0)
+}
+
+/// Global L2 norm of all gradients of `module` (single device).
+pub fn grad_norm<AB: AutodiffBackend, M: AutodiffModule<AB>>(module: &M, grads: &GradientsParams) -> f64 {
+    grad_sq_sum(module, grads).sqrt()
+}
+
+/// Multiplies every gradient of `module` in `grads` by `factor`.
+pub fn scale_grads<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+    module: &M,
+    grads: &mut GradientsParams,
+    factor: f64,
+) {
+    struct Scale<'a> {
+        grads: &'a mut GradientsParams,
+        factor: f64,
+    }
+    impl<AB: AutodiffBackend> ModuleVisitor<AB> for Scale<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            if let Some(g) = self.grads.remove::<AB::InnerBackend, D>(param.id) {
+                self.grads.register(param.id, g.mul_scalar(self.factor));
+            }
+        }
+    }
+    module.visit(&mut Scale { grads, factor });
+}
+
+/// The factor `torch.nn.utils.clip_grad_norm_` multiplies gradients by, given the total norm.
+pub fn clip_coefficient(total_norm: f64, max_norm: f64) -> f64 {
+    (max_norm / (total_norm + 1e-6)).min(1.0)
+}
+
+/// Clips all gradients of `module` by their global L2 norm, as
+/// `torch.nn.utils.clip_grad_norm_` does, and returns the norm before clipping.
+///
+/// Burn's `GradientClippingConfig::Norm` clips each parameter on its own; this is the global
+/// version. A non-finite or non-positive `max_norm` only measures.
+pub fn clip_grad_norm<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+    module: &M,
+    grads: &mut GradientsParams,
+    max_norm: f64,
+) -> f64 {
+    let norm = grad_norm(module, grads);
+    if max_norm.is_finite() && max_norm > 0.0 {
+        let coef = clip_coefficient(norm, max_norm);
+        if coef < 1.0 {
+            scale_grads(module, grads, coef);
+        }
+    }
+    norm
+}
+
+/// Reads a one-element tensor as `f64`.
+pub(crate) trait ScalarF64 {
+    fn into_scalar_f64(self) -> f64;
+}
+
+impl<B: Backend> ScalarF64 for Tensor<B, 1> {
+    fn into_scalar_f64(self) -> f64 {
+        use burn::tensor::ElementConversion;
+        self.into_scalar().elem::<f64>()
+    }
+}

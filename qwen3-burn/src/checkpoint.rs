@@ -1,0 +1,425 @@
+//! Hugging Face checkpoints: `config.json` + `model.safetensors` (or a sharded
+//! `model.safetensors.index.json` + several files), read and written by HF tensor names.
+//!
+//! The module path of every parameter of [`Qwen3`] is its HF name, so loading is a
+//! [`ModuleMapper`] that replaces each parameter with the tensor of the same name, and saving
+//! a [`ModuleVisitor`] that collects them. `bf16`/`f16`/`f64` tensors are converted to the
+//! model's float type; anything else is refused with an error naming file and tensor.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use safetensors::{Dtype, SafeTensors};
+
+use crate::config::Qwen3Config;
+use crate::error::{Qwen3Error, Result, io_err};
+use crate::model::Qwen3;
+
+/// Name of the HF weights file.
+pub const WEIGHTS_FILE: &str = "model.safetensors";
+/// Name of the HF index of a sharded checkpoint.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+/// Name of the HF config file.
+pub const CONFIG_FILE: &str = "config.json";
+
+/// A safetensors file read into memory.
+pub struct SafetensorsFile {
+    path: PathBuf,
+    bytes: Vec<u8>,
+}
+
+impl SafetensorsFile {
+    /// Reads and checks the header of `path`; a truncated or malformed file is an error.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        let bytes = std::fs::read(&path).map_err(io_err(&path))?;
+        let file = Self { path, bytes };
+        file.parse()?;
+        Ok(file)
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn parse(&self) -> Result<SafeTensors<'_>> {
+        SafeTensors::deserialize(&self.bytes)
+            .map_err(|e| Qwen3Error::Safetensors { path: self.path.clone(), msg: e.to_string() })
+    }
+
+    /// Names of all tensors in the file.
+    pub fn names(&self) -> Result<Vec<String>> {
+        Ok(self.parse()?.names().into_iter().map(str::to_owned).collect())
+    }
+
+    /// Shape and dtype of tensor `name`.
+    pub fn info(&self, name: &str) -> Result<(Vec<usize>, Dtype)> {
+        let st = self.parse()?;
+        let view = st.tensor(name).map_err(|_| self.missing(name))?;
+        Ok((view.shape().to_vec(), view.dtype()))
+    }
+
+    fn missing(&self, name: &str) -> Qwen3Error {
+        Qwen3Error::MissingTensor { path: self.path.clone(), name: name.to_owned() }
+    }
+
+    /// Tensor `name` converted to `f32` (from f32, f64, bf16 or f16), with its shape.
+    pub fn read_f32(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)> {
+        let st = self.parse()?;
+        let view = st.tensor(name).map_err(|_| self.missing(name))?;
+        let data = view.data();
+        let values = match view.dtype() {
+            Dtype::F32 => data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            Dtype::F64 => data
+                .chunks_exact(8)
+                .map(|b| f64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as f32)
+                .collect(),
+            Dtype::BF16 => {
+                data.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+            }
+            Dtype::F16 => data.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            other => {
+                return Err(Qwen3Error::DType {
+                    path: self.path.clone(),
+                    name: name.to_owned(),
+                    dtype: format!("{other:?}"),
+                });
+            }
+        };
+        Ok((values, view.shape().to_vec()))
+    }
+
+    /// Tensor `name` as `i64` (from i64, i32, u32, u16 or u8), with its shape.
+    pub fn read_i64(&self, name: &str) -> Result<(Vec<i64>, Vec<usize>)> {
+        let st = self.parse()?;
+        let view = st.tensor(name).map_err(|_| self.missing(name))?;
+        let data = view.data();
+        let values = match view.dtype() {
+            Dtype::I64 => data.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap_or([0; 8]))).collect(),
+            Dtype::I32 => data.chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64).collect(),
+            Dtype::U32 => data.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64).collect(),
+            Dtype::U16 => data.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]]) as i64).collect(),
+            Dtype::U8 => data.iter().map(|&b| b as i64).collect(),
+            other => {
+                return Err(Qwen3Error::DType {
+                    path: self.path.clone(),
+                    name: name.to_owned(),
+                    dtype: format!("{other:?} (expected an integer type)"),
+                });
+            }
+        };
+        Ok((values, view.shape().to_vec()))
+    }
+}
+
+/// One tensor to write: name, shape and either `f32` or `i64` values.
+#[derive(Debug, Clone)]
+pub enum TensorOut {
+    /// 32-bit floats.
+    F32(Vec<usize>, Vec<f32>),
+    /// 64-bit integers.
+    I64(Vec<usize>, Vec<i64>),
+}
+
+/// Writes `tensors` to a safetensors file, atomically: the data goes to a temporary file in the
+/// same directory, which is then renamed, so a crash never leaves a half-written file under
+/// `path`.
+pub fn write_safetensors(
+    path: impl AsRef<Path>,
+    tensors: Vec<(String, TensorOut)>,
+    metadata: Option<HashMap<String, String>>,
+) -> Result<()> {
+    let path = path.as_ref();
+    let bytes: Vec<(String, Vec<u8>, Vec<usize>, Dtype)> = tensors
+        .into_iter()
+        .map(|(name, t)| match t {
+            TensorOut::F32(shape, v) => (name, v.iter().flat_map(|x| x.to_le_bytes()).collect(), shape, Dtype::F32),
+            TensorOut::I64(shape, v) => (name, v.iter().flat_map(|x| x.to_le_bytes()).collect(), shape, Dtype::I64),
+        })
+        .collect();
+    let mut views = Vec::with_capacity(bytes.len());
+    for (name, data, shape, dtype) in &bytes {
+        let view = safetensors::tensor::TensorView::new(*dtype, shape.clone(), data)
+            .map_err(|e| Qwen3Error::Safetensors { path: path.to_path_buf(), msg: format!("{name}: {e}") })?;
+        views.push((name.clone(), view));
+    }
+    let buf = safetensors::serialize(views, metadata)
+        .map_err(|e| Qwen3Error::Safetensors { path: path.to_path_buf(), msg: e.to_string() })?;
+    write_atomic(path, &buf)
+}
+
+/// Writes `bytes` to `path` through a temporary file and a rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    let file_name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = dir.join(format!(".{file_name}.{}.tmp", std::process::id()));
+    let mut f = std::fs::File::create(&tmp).map_err(io_err(&tmp))?;
+    f.write_all(bytes).map_err(io_err(&tmp))?;
+    f.sync_all().map_err(io_err(&tmp))?;
+    drop(f);
+    std::fs::rename(&tmp, path).map_err(io_err(path))
+}
+
+/// The tensors of a checkpoint, possibly spread over several files.
+pub struct HfWeights {
+    files: Vec<SafetensorsFile>,
+    /// tensor name → index into `files`.
+    where_is: BTreeMap<String, usize>,
+    /// What to name in "missing tensor" errors.
+    origin: PathBuf,
+}
+
+impl HfWeights {
+    /// Opens `dir/model.safetensors`, or the files listed in `dir/model.safetensors.index.json`,
+    /// or `path` itself when it is a `.safetensors` file.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        if path.is_file() {
+            return Self::from_files(vec![SafetensorsFile::open(path)?], path.to_path_buf());
+        }
+        let single = path.join(WEIGHTS_FILE);
+        let index = path.join(INDEX_FILE);
+        if single.is_file() {
+            return Self::from_files(vec![SafetensorsFile::open(&single)?], single);
+        }
+        if !index.is_file() {
+            return Err(Qwen3Error::Io {
+                path: single,
+                source: std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    format!("no {WEIGHTS_FILE} and no {INDEX_FILE} in {}", path.display()),
+                ),
+            });
+        }
+        let text = std::fs::read_to_string(&index).map_err(io_err(&index))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|source| Qwen3Error::Json { path: index.clone(), source })?;
+        let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| Qwen3Error::Config {
+            path: index.clone(),
+            msg: "no `weight_map` object".into(),
+        })?;
+        let mut file_names: Vec<String> = Vec::new();
+        let mut where_is = BTreeMap::new();
+        for (name, file) in map {
+            let file = file.as_str().ok_or_else(|| Qwen3Error::Config {
+                path: index.clone(),
+                msg: format!("weight_map entry `{name}` is not a file name"),
+            })?;
+            let i = match file_names.iter().position(|f| f == file) {
+                Some(i) => i,
+                None => {
+                    file_names.push(file.to_owned());
+                    file_names.len() - 1
+                }
+            };
+            where_is.insert(name.clone(), i);
+        }
+        let files = file_names.iter().map(|f| SafetensorsFile::open(path.join(f))).collect::<Result<Vec<_>>>()?;
+        // Every tensor the index promises must be in its file.
+        for (name, &i) in &where_is {
+            files[i].info(name)?;
+        }
+        Ok(Self { files, where_is, origin: index })
+    }
+
+    fn from_files(files: Vec<SafetensorsFile>, origin: PathBuf) -> Result<Self> {
+        let mut where_is = BTreeMap::new();
+        for (i, f) in files.iter().enumerate() {
+            for n in f.names()? {
+                where_is.insert(n, i);
+            }
+        }
+        Ok(Self { files, where_is, origin })
+    }
+
+    /// All tensor names.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.where_is.keys().map(String::as_str)
+    }
+
+    /// Whether tensor `name` exists.
+    pub fn contains(&self, name: &str) -> bool {
+        self.where_is.contains_key(name)
+    }
+
+    /// The file holding `name`.
+    pub fn file_of(&self, name: &str) -> Result<&SafetensorsFile> {
+        match self.where_is.get(name) {
+            Some(&i) => Ok(&self.files[i]),
+            None => Err(Qwen3Error::MissingTensor { path: self.origin.clone(), name: name.to_owned() }),
+        }
+    }
+
+    /// Tensor `name` as `f32` values and shape.
+    pub fn read_f32(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)> {
+        self.file_of(name)?.read_f32(name)
+    }
+}
+
+/// Tracks the dotted module path while a visitor/mapper walks a module.
+#[derive(Default)]
+struct PathStack(Vec<String>);
+
+impl PathStack {
+    fn push(&mut self, name: &str) {
+        self.0.push(name.to_owned());
+    }
+    fn pop(&mut self) {
+        self.0.pop();
+    }
+    fn current(&self) -> String {
+        self.0.join(".")
+    }
+}
+
+/// Replaces every parameter with the checkpoint tensor of the same name.
+struct Loader<'a> {
+    weights: &'a HfWeights,
+    path: PathStack,
+    used: Vec<String>,
+    error: Option<Qwen3Error>,
+}
+
+impl<B: Backend> ModuleMapper<B> for Loader<'_> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name);
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let name = self.path.current();
+        if self.error.is_some() {
+            return param;
+        }
+        let (id, tensor, mapper) = param.consume();
+        let expected = tensor.dims().to_vec();
+        let loaded = self.weights.read_f32(&name).and_then(|(values, shape)| {
+            if shape != expected {
+                let path = self.weights.file_of(&name).map(|f| f.path().to_path_buf()).unwrap_or_default();
+                return Err(Qwen3Error::Shape { path, name: name.clone(), expected: expected.clone(), got: shape });
+            }
+            Ok(values)
+        });
+        match loaded {
+            Ok(values) => {
+                self.used.push(name);
+                let t = Tensor::from_data(TensorData::new(values, expected), &tensor.device());
+                let t = if tensor.is_require_grad() { t.require_grad() } else { t };
+                Param::from_mapped_value(id, t, mapper)
+            }
+            Err(e) => {
+                self.error = Some(e);
+                Param::from_mapped_value(id, tensor, mapper)
+            }
+        }
+    }
+}
+
+/// Collects every parameter as `(HF name, shape, f32 values)`.
+struct Collector {
+    path: PathStack,
+    out: Vec<(String, TensorOut)>,
+}
+
+impl<B: Backend> ModuleVisitor<B> for Collector {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name);
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let t = param.val();
+        let shape = t.dims().to_vec();
+        let values = t.into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default();
+        self.out.push((self.path.current(), TensorOut::F32(shape, values)));
+    }
+}
+
+/// HF names of all parameters of a module, in visiting order.
+pub fn parameter_names<B: Backend, M: Module<B>>(module: &M) -> Vec<String> {
+    struct Names(PathStack, Vec<String>);
+    impl<B: Backend> ModuleVisitor<B> for Names {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.0.push(name);
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.0.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, _param: &Param<Tensor<B, D>>) {
+            self.1.push(self.0.current());
+        }
+    }
+    let mut v = Names(PathStack::default(), Vec::new());
+    module.visit(&mut v);
+    v.1
+}
+
+impl<B: Backend> Qwen3<B> {
+    /// Loads an HF checkpoint directory (`config.json` + weights) onto `device`.
+    ///
+    /// Returns the model and its config. Errors name the file and, for tensors, the tensor:
+    /// missing, misshapen, non-float, or unknown to this config.
+    pub fn load(dir: impl AsRef<Path>, device: &B::Device) -> Result<(Self, Qwen3Config)> {
+        let dir = dir.as_ref();
+        let config = Qwen3Config::from_file(dir.join(CONFIG_FILE))?;
+        let model = Self::load_weights(&config, dir, device)?;
+        Ok((model, config))
+    }
+
+    /// Loads weights for `config` from `path` (a directory or a `.safetensors` file).
+    pub fn load_weights(config: &Qwen3Config, path: impl AsRef<Path>, device: &B::Device) -> Result<Self> {
+        let weights = HfWeights::open(path)?;
+        Self::from_weights(config, &weights, device)
+    }
+
+    /// Builds the model for `config` from already opened `weights`.
+    pub fn from_weights(config: &Qwen3Config, weights: &HfWeights, device: &B::Device) -> Result<Self> {
+        let model = Self::new(config, device);
+        let mut loader = Loader { weights, path: PathStack::default(), used: Vec::new(), error: None };
+        let model = model.map(&mut loader);
+        if let Some(e) = loader.error {
+            return Err(e);
+        }
+        let mut unknown: Vec<String> = weights
+            .names()
+            .filter(|n| !loader.used.iter().any(|u| u == n))
+            // A tied checkpoint may still carry a copy of the head; HF ignores it too.
+            .filter(|n| !(config.tie_word_embeddings && *n == "lm_head.weight"))
+            .map(str::to_owned)
+            .collect();
+        if !unknown.is_empty() {
+            unknown.sort();
+            return Err(Qwen3Error::UnknownTensors { path: weights.origin.clone(), names: unknown });
+        }
+        Ok(model)
+    }
+
+    /// All parameters as `(HF name, tensor)` in f32, ready to write.
+    pub fn to_hf_tensors(&self) -> Vec<(String, TensorOut)> {
+        let mut c = Collector { path: PathStack::default(), out: Vec::new() };
+        self.visit(&mut c);
+        c.out
+    }
+
+    /// Saves `config.json` + `model.safetensors` into `dir` in HF layout (f32; no
+    /// `lm_head.weight` when tied), each file written atomically.
+    pub fn save(&self, config: &Qwen3Config, dir: impl AsRef<Path>) -> Result<()> {
+        let dir = dir.as_ref();
+        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+        let meta = HashMap::from([("format".to_owned(), "pt".to_owned())]);
+        write_safetensors(dir.join(WEIGHTS_FILE), self.to_hf_tensors(), Some(meta))?;
+        write_atomic(&dir.join(CONFIG_FILE), config.to_json_string().as_bytes())
+    }
+}

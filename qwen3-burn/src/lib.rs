@@ -1,0 +1,16 @@
+//! Qwen3 for [Burn](https://burn.dev): the model, Hugging Face `config.json` + safetensors
+//! in and out (tied and untied heads, sharded checkpoints), the tokenizer, generation with a
+//! KV cache, and the training loss.
+#![warn(missing_docs)]
+
+pub mod checkpoint;
+pub mod config;
+pub mod error;
+pub mod generate;
+pub mod model;
+pub mod tokenizer;
+pub mod train;
+
+pub use config::Qwen3Config;
+pub use error::{Qwen3Error, Result};
+pub use model::{KvCache, Qwen3};

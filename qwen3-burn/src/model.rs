@@ -1,0 +1,435 @@
+//! Qwen3, top to bottom.
+//!
+//! ```text
+//! ids ─ embed_tokens ─┬─ N × DecoderLayer ─ norm ─ lm_head ─ logits
+//!                     │   x + Attention(RMSNorm(x))      (q_norm/k_norm per head, then RoPE, GQA)
+//!                     │   x + Mlp(RMSNorm(x))            (down(silu(gate(x)) · up(x)))
+//! ```
+//!
+//! Parameters are stored exactly as Hugging Face names and lays them out (`[out, in]` linear
+//! weights, no biases), so that the module path of every parameter *is* its HF tensor name:
+//! `model.layers.3.self_attn.q_proj.weight`. Nothing here knows about parallelism: each
+//! decoder layer runs through a [`UnitRunner`], which FSDP uses to gather the layer's shards.
+
+use burn::module::{Module, Param};
+use burn::tensor::activation::{silu, softmax};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
+use burn_fsdp::runner::{Direct, UnitRunner};
+
+use crate::config::Qwen3Config;
+
+// ───────────────────────────── building blocks ─────────────────────────────
+
+/// A bias-free linear layer with the weight stored as PyTorch does, `[out, in]`.
+///
+/// # Shapes
+/// - input: `[..., in]`
+/// - output: `[..., out]`
+#[derive(Module, Debug)]
+pub struct Linear<B: Backend> {
+    /// `[d_output, d_input]`.
+    pub weight: Param<Tensor<B, 2>>,
+}
+
+impl<B: Backend> Linear<B> {
+    fn new(d_in: usize, d_out: usize, device: &B::Device) -> Self {
+        Self { weight: init_normal([d_out, d_in], device) }
+    }
+
+    /// `x · Wᵀ`.
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let w = self.weight.val();
+        let [d_out, d_in] = w.dims();
+        let mut out_shape = x.dims();
+        let rows = out_shape[..D - 1].iter().product::<usize>();
+        out_shape[D - 1] = d_out;
+        x.reshape([rows, d_in]).matmul(w.transpose()).reshape(out_shape)
+    }
+}
+
+/// Root-mean-square normalisation computed in fp32, as HF's `Qwen3RMSNorm`:
+/// `weight · (x / sqrt(mean(x²) + eps))`.
+///
+/// # Shapes
+/// - input/output: `[..., dim]`
+#[derive(Module, Debug)]
+pub struct RmsNorm<B: Backend> {
+    /// `[dim]`, initialised to ones.
+    pub weight: Param<Tensor<B, 1>>,
+    /// Added to the mean square.
+    pub eps: f64,
+}
+
+impl<B: Backend> RmsNorm<B> {
+    fn new(dim: usize, eps: f64, device: &B::Device) -> Self {
+        Self { weight: Param::from_tensor(Tensor::ones([dim], device)), eps }
+    }
+
+    /// Normalises the last dimension.
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let dtype = x.dtype();
+        let x = x.cast(DType::F32);
+        let inv_rms = (x.clone().square().mean_dim(D - 1) + self.eps).sqrt().recip();
+        (x * inv_rms).cast(dtype) * self.weight.val().unsqueeze()
+    }
+}
+
+/// Token embedding table.
+///
+/// # Shapes
+/// - input: `[batch, seq]` token ids
+/// - output: `[batch, seq, hidden]`
+#[derive(Module, Debug)]
+pub struct Embedding<B: Backend> {
+    /// `[vocab, hidden]`.
+    pub weight: Param<Tensor<B, 2>>,
+}
+
+impl<B: Backend> Embedding<B> {
+    /// Looks up the rows of `ids`.
+    pub fn forward(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        burn::tensor::module::embedding(self.weight.val(), ids)
+    }
+}
+
+/// Rotary position embedding tables for positions `offset .. offset + len`.
+///
+/// HF layout: `inv_freq[i] = 1 / θ^(2i/d)`, angles duplicated over both halves
+/// (`emb = cat(freqs, freqs)`), applied as `x·cos + rotate_half(x)·sin` with
+/// `rotate_half(x) = cat(-x₂, x₁)`. Angles are formed in fp32 as HF does, then
+/// `cos`/`sin` are taken in f64 and rounded once.
+#[derive(Debug, Clone)]
+pub struct Rope<B: Backend> {
+    cos: Tensor<B, 4>,
+    sin: Tensor<B, 4>,
+}
+
+impl<B: Backend> Rope<B> {
+    /// Builds the `[1, 1, len, head_dim]` tables.
+    pub fn new(head_dim: usize, theta: f64, offset: usize, len: usize, device: &B::Device) -> Self {
+        let half = head_dim / 2;
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| {
+                let exponent = (2 * i) as f32 / head_dim as f32;
+                1.0f32 / (theta as f32).powf(exponent)
+            })
+            .collect();
+        let mut cos = Vec::with_capacity(len * head_dim);
+        let mut sin = Vec::with_capacity(len * head_dim);
+        for pos in offset..offset + len {
+            for j in 0..head_dim {
+                let angle = (pos as f32 * inv_freq[j % half]) as f64;
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+        let shape = [1, 1, len, head_dim];
+        Self {
+            cos: Tensor::from_data(TensorData::new(cos, shape), device),
+            sin: Tensor::from_data(TensorData::new(sin, shape), device),
+        }
+    }
+
+    /// Rotates `x` of shape `[batch, heads, len, head_dim]`.
+    pub fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let dtype = x.dtype();
+        let [b, h, t, d] = x.dims();
+        let half = d / 2;
+        let x1 = x.clone().narrow(3, 0, half);
+        let x2 = x.clone().narrow(3, half, half);
+        let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
+        let cos = self.cos.clone().cast(dtype).expand([b, h, t, d]);
+        let sin = self.sin.clone().cast(dtype).expand([b, h, t, d]);
+        x * cos + rotated * sin
+    }
+}
+
+/// Keys and values of earlier positions, per layer, for incremental decoding.
+#[derive(Debug, Clone, Default)]
+pub struct KvCache<B: Backend> {
+    layers: Vec<Option<(Tensor<B, 4>, Tensor<B, 4>)>>,
+}
+
+impl<B: Backend> KvCache<B> {
+    /// An empty cache.
+    pub fn new() -> Self {
+        Self { layers: Vec::new() }
+    }
+
+    /// Number of cached positions.
+    pub fn len(&self) -> usize {
+        match self.layers.first() {
+            Some(Some((k, _))) => k.dims()[2],
+            _ => 0,
+        }
+    }
+
+    /// Whether nothing is cached yet.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn append(&mut self, layer: usize, k: Tensor<B, 4>, v: Tensor<B, 4>) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        if self.layers.len() <= layer {
+            self.layers.resize(layer + 1, None);
+        }
+        let (k, v) = match self.layers[layer].take() {
+            Some((pk, pv)) => (Tensor::cat(vec![pk, k], 2), Tensor::cat(vec![pv, v], 2)),
+            None => (k, v),
+        };
+        self.layers[layer] = Some((k.clone(), v.clone()));
+        (k, v)
+    }
+}
+
+// ───────────────────────────── attention ─────────────────────────────
+
+/// Grouped-query self-attention with per-head RMSNorm on queries and keys.
+///
+/// # Shapes
+/// - input/output: `[batch, seq, hidden]`
+#[derive(Module, Debug)]
+pub struct Attention<B: Backend> {
+    /// `[heads·head_dim, hidden]`.
+    pub q_proj: Linear<B>,
+    /// `[kv_heads·head_dim, hidden]`.
+    pub k_proj: Linear<B>,
+    /// `[kv_heads·head_dim, hidden]`.
+    pub v_proj: Linear<B>,
+    /// `[hidden, heads·head_dim]`.
+    pub o_proj: Linear<B>,
+    /// RMSNorm over each query head (`[head_dim]`), before RoPE.
+    pub q_norm: RmsNorm<B>,
+    /// RMSNorm over each key head (`[head_dim]`), before RoPE.
+    pub k_norm: RmsNorm<B>,
+    /// Number of query heads.
+    pub num_heads: usize,
+    /// Number of key/value heads.
+    pub num_kv_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+}
+
+impl<B: Backend> Attention<B> {
+    fn new(c: &Qwen3Config, device: &B::Device) -> Self {
+        Self {
+            q_proj: Linear::new(c.hidden_size, c.q_dim(), device),
+            k_proj: Linear::new(c.hidden_size, c.kv_dim(), device),
+            v_proj: Linear::new(c.hidden_size, c.kv_dim(), device),
+            o_proj: Linear::new(c.q_dim(), c.hidden_size, device),
+            q_norm: RmsNorm::new(c.head_dim, c.rms_norm_eps, device),
+            k_norm: RmsNorm::new(c.head_dim, c.rms_norm_eps, device),
+            num_heads: c.num_attention_heads,
+            num_kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+        }
+    }
+
+    /// Causal attention over `x`, continuing `cache` when given (`layer` indexes it).
+    ///
+    /// The number of heads is read from the weights, so a tensor-parallel shard of this module
+    /// (fewer heads per rank) runs unchanged.
+    pub fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, cache: Option<(&mut KvCache<B>, usize)>) -> Tensor<B, 3> {
+        let [b, t, _] = x.dims();
+        let hd = self.head_dim;
+        let heads = self.q_proj.weight.dims()[0] / hd;
+        let kv_heads = self.k_proj.weight.dims()[0] / hd;
+        let split = |y: Tensor<B, 3>, n: usize| y.reshape([b, t, n, hd]);
+        let q = self.q_norm.forward(split(self.q_proj.forward(x.clone()), heads)).swap_dims(1, 2);
+        let k = self.k_norm.forward(split(self.k_proj.forward(x.clone()), kv_heads)).swap_dims(1, 2);
+        let v = split(self.v_proj.forward(x), kv_heads).swap_dims(1, 2);
+        let q = rope.apply(q);
+        let k = rope.apply(k);
+        let past = cache.as_ref().map_or(0, |(c, _)| c.len());
+        let (k, v) = match cache {
+            Some((c, layer)) => c.append(layer, k, v),
+            None => (k, v),
+        };
+        let s = past + t;
+        let rep = heads / kv_heads;
+        let repeat = |y: Tensor<B, 4>| {
+            if rep == 1 {
+                y
+            } else {
+                y.unsqueeze_dim::<5>(2).expand([b, kv_heads, rep, s, hd]).reshape([b, heads, s, hd])
+            }
+        };
+        let (k, v) = (repeat(k), repeat(v));
+        let dtype = q.dtype();
+        let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar((hd as f64).powf(-0.5));
+        let mask = causal_mask::<B>(t, past, &scores.device()).expand([b, heads, t, s]);
+        let scores = scores.mask_fill(mask, f32::NEG_INFINITY);
+        let probs = softmax(scores.cast(DType::F32), 3).cast(dtype);
+        let out = probs.matmul(v).swap_dims(1, 2).reshape([b, t, heads * hd]);
+        self.o_proj.forward(out)
+    }
+}
+
+/// `true` where query `i` (absolute position `past + i`) must not see key `j`.
+fn causal_mask<B: Backend>(t: usize, past: usize, device: &B::Device) -> Tensor<B, 4, Bool> {
+    Tensor::<B, 2, Bool>::tril_mask([t, past + t], past as i64, device).unsqueeze()
+}
+
+// ───────────────────────────── MLP and layer ─────────────────────────────
+
+/// SwiGLU feed-forward: `down(silu(gate(x)) · up(x))`.
+///
+/// # Shapes
+/// - input/output: `[batch, seq, hidden]`
+#[derive(Module, Debug)]
+pub struct Mlp<B: Backend> {
+    /// `[intermediate, hidden]`.
+    pub gate_proj: Linear<B>,
+    /// `[intermediate, hidden]`.
+    pub up_proj: Linear<B>,
+    /// `[hidden, intermediate]`.
+    pub down_proj: Linear<B>,
+}
+
+impl<B: Backend> Mlp<B> {
+    /// Applies the MLP.
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.down_proj.forward(silu(self.gate_proj.forward(x.clone())) * self.up_proj.forward(x))
+    }
+}
+
+/// One pre-norm decoder layer.
+///
+/// # Shapes
+/// - input/output: `[batch, seq, hidden]`
+#[derive(Module, Debug)]
+pub struct DecoderLayer<B: Backend> {
+    /// Self-attention.
+    pub self_attn: Attention<B>,
+    /// Feed-forward.
+    pub mlp: Mlp<B>,
+    /// Norm before attention.
+    pub input_layernorm: RmsNorm<B>,
+    /// Norm before the MLP.
+    pub post_attention_layernorm: RmsNorm<B>,
+}
+
+impl<B: Backend> DecoderLayer<B> {
+    /// `h = x + attn(norm(x)); h + mlp(norm(h))`.
+    pub fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, cache: Option<(&mut KvCache<B>, usize)>) -> Tensor<B, 3> {
+        let h = x.clone() + self.self_attn.forward(self.input_layernorm.forward(x), rope, cache);
+        h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h))
+    }
+}
+
+// ───────────────────────────── the model ─────────────────────────────
+
+/// The decoder stack (HF's `Qwen3Model`, path prefix `model.`).
+#[derive(Module, Debug)]
+pub struct Qwen3Model<B: Backend> {
+    /// `[vocab, hidden]`.
+    pub embed_tokens: Embedding<B>,
+    /// The decoder layers.
+    pub layers: Vec<DecoderLayer<B>>,
+    /// Final norm.
+    pub norm: RmsNorm<B>,
+}
+
+/// Qwen3 for causal language modelling (HF's `Qwen3ForCausalLM`).
+///
+/// Build with [`Qwen3Config::init`] or load with [`Qwen3::load`](crate::Qwen3::load).
+///
+/// # Shapes
+/// - input: `[batch, seq]` token ids
+/// - output: `[batch, seq, vocab]` logits (fp32)
+///
+/// # Example
+///
+/// ```
+/// use burn::backend::NdArray;
+/// use burn::tensor::{Int, Tensor};
+/// use qwen3_burn::Qwen3Config;
+///
+/// let config = Qwen3Config { num_hidden_layers: 1, ..Qwen3Config::tiny() };
+/// let device = Default::default();
+/// let model = config.init::<NdArray>(&device);
+/// let ids = Tensor::<NdArray, 2, Int>::from_ints([[1, 2, 3]], &device);
+/// assert_eq!(model.forward(ids).dims(), [1, 3, config.vocab_size]);
+/// ```
+#[derive(Module, Debug)]
+pub struct Qwen3<B: Backend> {
+    /// The decoder stack.
+    pub model: Qwen3Model<B>,
+    /// Output projection `[vocab, hidden]`; `None` when tied to `model.embed_tokens`.
+    pub lm_head: Option<Linear<B>>,
+    /// RoPE base frequency.
+    pub rope_theta: f64,
+    /// Width of one attention head.
+    pub head_dim: usize,
+}
+
+impl<B: Backend> Qwen3<B> {
+    /// A randomly initialised model (normal(0, 0.02) weights, unit norms).
+    pub fn new(c: &Qwen3Config, device: &B::Device) -> Self {
+        let layers = (0..c.num_hidden_layers)
+            .map(|_| DecoderLayer {
+                self_attn: Attention::new(c, device),
+                mlp: Mlp {
+                    gate_proj: Linear::new(c.hidden_size, c.intermediate_size, device),
+                    up_proj: Linear::new(c.hidden_size, c.intermediate_size, device),
+                    down_proj: Linear::new(c.intermediate_size, c.hidden_size, device),
+                },
+                input_layernorm: RmsNorm::new(c.hidden_size, c.rms_norm_eps, device),
+                post_attention_layernorm: RmsNorm::new(c.hidden_size, c.rms_norm_eps, device),
+            })
+            .collect();
+        Self {
+            model: Qwen3Model {
+                embed_tokens: Embedding { weight: init_normal([c.vocab_size, c.hidden_size], device) },
+                layers,
+                norm: RmsNorm::new(c.hidden_size, c.rms_norm_eps, device),
+            },
+            lm_head: (!c.tie_word_embeddings).then(|| Linear::new(c.hidden_size, c.vocab_size, device)),
+            rope_theta: c.rope_theta,
+            head_dim: c.head_dim,
+        }
+    }
+
+    /// Logits for every position of `ids`.
+    pub fn forward(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        self.forward_with(ids, &mut Direct)
+    }
+
+    /// [`forward`](Self::forward) with each decoder layer run through `runner`.
+    pub fn forward_with<R: UnitRunner<B>>(&self, ids: Tensor<B, 2, Int>, runner: &mut R) -> Tensor<B, 3> {
+        self.forward_inner(ids, runner, None)
+    }
+
+    /// Logits of the new tokens `ids`, attending to (and extending) `cache`.
+    pub fn forward_cached(&self, ids: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 3> {
+        self.forward_inner(ids, &mut Direct, Some(cache))
+    }
+
+    fn forward_inner<R: UnitRunner<B>>(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        runner: &mut R,
+        mut cache: Option<&mut KvCache<B>>,
+    ) -> Tensor<B, 3> {
+        let device = ids.device();
+        let [_, t] = ids.dims();
+        let past = cache.as_ref().map_or(0, |c| c.len());
+        let rope = Rope::new(self.head_dim, self.rope_theta, past, t, &device);
+        let mut x = self.model.embed_tokens.forward(ids);
+        for (i, layer) in self.model.layers.iter().enumerate() {
+            let cache = cache.as_deref_mut().map(|c| (c, i));
+            x = runner.run(layer, x, |layer, x| layer.forward(x, &rope, cache));
+        }
+        let x = self.model.norm.forward(x);
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(x),
+            None => Linear { weight: self.model.embed_tokens.weight.clone() }.forward(x),
+        };
+        logits.cast(DType::F32)
+    }
+}
+
+fn init_normal<B: Backend, const D: usize>(shape: [usize; D], device: &B::Device) -> Param<Tensor<B, D>> {
+    Param::from_tensor(Tensor::random(shape, burn::tensor::Distribution::Normal(0.0, 0.02), device))
+}

@@ -1,0 +1,16 @@
+//! The project's commands (`cargo xtask …`), as a library so that tests run exactly what
+//! users run.
+
+pub mod data;
+pub mod logits;
+pub mod train;
+
+/// The CPU backend every command runs on.
+pub type Backend = burn::backend::NdArray<f32>;
+/// Its autodiff decorator, for training.
+pub type TrainBackend = burn::backend::Autodiff<Backend>;
+
+/// The default device of [`Backend`].
+pub fn device() -> burn::backend::ndarray::NdArrayDevice {
+    burn::backend::ndarray::NdArrayDevice::Cpu
+}

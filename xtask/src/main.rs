@@ -1,0 +1,32 @@
+//! `cargo xtask`: train Qwen3 with or without FSDP, compute logits, and the other commands.
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "burn-fsdp developer and user commands")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train Qwen3 (single device with --no-fsdp, or FSDP over in-process ranks).
+    #[command(name = "train-qwen3")]
+    TrainQwen3(xtask::train::TrainArgs),
+    /// Write the logits of a checkpoint for the `input_ids` of a safetensors file.
+    #[command(name = "qwen3-logits")]
+    Qwen3Logits(xtask::logits::LogitsArgs),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::TrainQwen3(args) => xtask::train::run(&args).map(|_| ()),
+        Command::Qwen3Logits(args) => xtask::logits::run(&args),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
