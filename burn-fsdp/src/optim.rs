@@ -190,10 +190,7 @@ impl<AB: AutodiffBackend> ModuleMapper<AB> for StepMapper<'_, AB::InnerBackend> 
 /// Sum of squares of every gradient of `module` found in `grads` (as an `f64`).
 ///
 /// This is the local part of a global norm: FSDP sums it over ranks before the square root.
-pub fn grad_sq_sum<AB: AutodiffBackend, M: AutodiffModule<AB>>(
-    module: &M,
-    grads: &GradientsParams,
-) -> f64 {
+pub fn grad_sq_sum<AB: AutodiffBackend, M: AutodiffModule<AB>>(module: &M, grads: &GradientsParams) -> f64 {
     struct SqSum<'a, B: Backend> {
         grads: &'a GradientsParams,
         total: Option<Tensor<B, 1>>,

@@ -73,7 +73,9 @@ impl SafetensorsFile {
         let view = st.tensor(name).map_err(|_| self.missing(name))?;
         let data = view.data();
         let values = match view.dtype() {
-            Dtype::F32 => data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            Dtype::F32 => {
+                data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+            }
             Dtype::F64 => data
                 .chunks_exact(8)
                 .map(|b| f64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as f32)
@@ -81,7 +83,9 @@ impl SafetensorsFile {
             Dtype::BF16 => {
                 data.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
             }
-            Dtype::F16 => data.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            Dtype::F16 => {
+                data.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+            }
             other => {
                 return Err(Qwen3Error::DType {
                     path: self.path.clone(),
@@ -99,9 +103,15 @@ impl SafetensorsFile {
         let view = st.tensor(name).map_err(|_| self.missing(name))?;
         let data = view.data();
         let values = match view.dtype() {
-            Dtype::I64 => data.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap_or([0; 8]))).collect(),
-            Dtype::I32 => data.chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64).collect(),
-            Dtype::U32 => data.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64).collect(),
+            Dtype::I64 => {
+                data.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap_or([0; 8]))).collect()
+            }
+            Dtype::I32 => {
+                data.chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64).collect()
+            }
+            Dtype::U32 => {
+                data.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64).collect()
+            }
             Dtype::U16 => data.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]]) as i64).collect(),
             Dtype::U8 => data.iter().map(|&b| b as i64).collect(),
             other => {
@@ -137,8 +147,12 @@ pub fn write_safetensors(
     let bytes: Vec<(String, Vec<u8>, Vec<usize>, Dtype)> = tensors
         .into_iter()
         .map(|(name, t)| match t {
-            TensorOut::F32(shape, v) => (name, v.iter().flat_map(|x| x.to_le_bytes()).collect(), shape, Dtype::F32),
-            TensorOut::I64(shape, v) => (name, v.iter().flat_map(|x| x.to_le_bytes()).collect(), shape, Dtype::I64),
+            TensorOut::F32(shape, v) => {
+                (name, v.iter().flat_map(|x| x.to_le_bytes()).collect(), shape, Dtype::F32)
+            }
+            TensorOut::I64(shape, v) => {
+                (name, v.iter().flat_map(|x| x.to_le_bytes()).collect(), shape, Dtype::I64)
+            }
         })
         .collect();
     let mut views = Vec::with_capacity(bytes.len());
@@ -220,7 +234,8 @@ impl HfWeights {
             };
             where_is.insert(name.clone(), i);
         }
-        let files = file_names.iter().map(|f| SafetensorsFile::open(path.join(f))).collect::<Result<Vec<_>>>()?;
+        let files =
+            file_names.iter().map(|f| SafetensorsFile::open(path.join(f))).collect::<Result<Vec<_>>>()?;
         // Every tensor the index promises must be in its file.
         for (name, &i) in &where_is {
             files[i].info(name)?;
@@ -305,7 +320,12 @@ impl<B: Backend> ModuleMapper<B> for Loader<'_> {
         let loaded = self.weights.read_f32(&name).and_then(|(values, shape)| {
             if shape != expected {
                 let path = self.weights.file_of(&name).map(|f| f.path().to_path_buf()).unwrap_or_default();
-                return Err(Qwen3Error::Shape { path, name: name.clone(), expected: expected.clone(), got: shape });
+                return Err(Qwen3Error::Shape {
+                    path,
+                    name: name.clone(),
+                    expected: expected.clone(),
+                    got: shape,
+                });
             }
             Ok(values)
         });
@@ -421,5 +441,239 @@ impl<B: Backend> Qwen3<B> {
         let meta = HashMap::from([("format".to_owned(), "pt".to_owned())]);
         write_safetensors(dir.join(WEIGHTS_FILE), self.to_hf_tensors(), Some(meta))?;
         write_atomic(&dir.join(CONFIG_FILE), config.to_json_string().as_bytes())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::NdArray;
+    use burn::tensor::Int;
+
+    type B = NdArray<f32>;
+
+    fn small(tied: bool) -> Qwen3Config {
+        Qwen3Config {
+            vocab_size: 37,
+            hidden_size: 24,
+            intermediate_size: 40,
+            num_hidden_layers: 2,
+            num_attention_heads: 3,
+            num_key_value_heads: 1,
+            head_dim: 10,
+            max_position_embeddings: 64,
+            rms_norm_eps: 1e-6,
+            rope_theta: 10_000.0,
+            tie_word_embeddings: tied,
+        }
+    }
+
+    fn logits(model: &Qwen3<B>) -> Vec<f32> {
+        let ids = Tensor::<B, 2, Int>::from_ints([[1, 5, 36, 2, 0], [7, 7, 3, 9, 11]], &Default::default());
+        model.forward(ids).into_data().to_vec::<f32>().unwrap()
+    }
+
+    fn saved(tied: bool) -> (tempfile::TempDir, Qwen3Config, Qwen3<B>) {
+        let dir = tempfile::tempdir().unwrap();
+        let config = small(tied);
+        let model = config.init::<B>(&Default::default());
+        model.save(&config, dir.path()).unwrap();
+        (dir, config, model)
+    }
+
+    /// Rewrites the weights file of `dir` through `edit`.
+    fn edit_weights(dir: &Path, edit: impl FnOnce(&mut Vec<(String, TensorOut)>)) {
+        let model = Qwen3::<B>::load(dir, &Default::default()).unwrap().0;
+        let mut tensors = model.to_hf_tensors();
+        edit(&mut tensors);
+        write_safetensors(dir.join(WEIGHTS_FILE), tensors, None).unwrap();
+    }
+
+    #[test]
+    fn hf_names_match_the_module_paths() {
+        let names = parameter_names::<B, _>(&small(false).init::<B>(&Default::default()));
+        for n in [
+            "model.embed_tokens.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.1.self_attn.k_norm.weight",
+            "model.layers.1.mlp.down_proj.weight",
+            "model.layers.0.post_attention_layernorm.weight",
+            "model.norm.weight",
+            "lm_head.weight",
+        ] {
+            assert!(names.iter().any(|x| x == n), "{n} not in {names:?}");
+        }
+        assert_eq!(names.len(), 1 + 2 * 11 + 1 + 1);
+        let tied = parameter_names::<B, _>(&small(true).init::<B>(&Default::default()));
+        assert!(!tied.iter().any(|x| x == "lm_head.weight"));
+    }
+
+    #[test]
+    fn save_load_round_trip_gives_identical_logits() {
+        for tied in [true, false] {
+            let (dir, config, model) = saved(tied);
+            let (loaded, c2) = Qwen3::<B>::load(dir.path(), &Default::default()).unwrap();
+            assert_eq!(c2, config);
+            assert_eq!(logits(&model), logits(&loaded), "tied = {tied}");
+            let names = SafetensorsFile::open(dir.path().join(WEIGHTS_FILE)).unwrap().names().unwrap();
+            assert_eq!(names.iter().any(|n| n == "lm_head.weight"), !tied);
+        }
+    }
+
+    #[test]
+    fn sharded_checkpoint_loads() {
+        let (dir, _config, model) = saved(false);
+        let tensors = model.to_hf_tensors();
+        let (first, second): (Vec<_>, Vec<_>) =
+            tensors.into_iter().enumerate().partition(|(i, _)| i % 2 == 0);
+        let mut weight_map = serde_json::Map::new();
+        for (file, part) in
+            [("model-00001-of-00002.safetensors", first), ("model-00002-of-00002.safetensors", second)]
+        {
+            let part: Vec<_> = part.into_iter().map(|(_, t)| t).collect();
+            for (n, _) in &part {
+                weight_map.insert(n.clone(), file.into());
+            }
+            write_safetensors(dir.path().join(file), part, None).unwrap();
+        }
+        std::fs::remove_file(dir.path().join(WEIGHTS_FILE)).unwrap();
+        let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+        std::fs::write(dir.path().join(INDEX_FILE), index.to_string()).unwrap();
+        let (loaded, _) = Qwen3::<B>::load(dir.path(), &Default::default()).unwrap();
+        assert_eq!(logits(&model), logits(&loaded));
+    }
+
+    #[test]
+    fn half_precision_files_are_converted() {
+        let (dir, _config, model) = saved(true);
+        // Write every tensor as bf16 and check the values are those of the rounded originals.
+        let tensors = model.to_hf_tensors();
+        let bf: Vec<(String, Vec<u8>, Vec<usize>)> = tensors
+            .iter()
+            .map(|(n, t)| match t {
+                TensorOut::F32(s, v) => (
+                    n.clone(),
+                    v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect(),
+                    s.clone(),
+                ),
+                TensorOut::I64(..) => unreachable!(),
+            })
+            .collect();
+        let views: Vec<_> = bf
+            .iter()
+            .map(|(n, d, s)| {
+                (n.clone(), safetensors::tensor::TensorView::new(Dtype::BF16, s.clone(), d).unwrap())
+            })
+            .collect();
+        std::fs::write(dir.path().join(WEIGHTS_FILE), safetensors::serialize(views, None).unwrap()).unwrap();
+        let (loaded, _) = Qwen3::<B>::load(dir.path(), &Default::default()).unwrap();
+        let got = loaded.model.norm.weight.val().into_data().to_vec::<f32>().unwrap();
+        let want: Vec<f32> = model
+            .model
+            .norm
+            .weight
+            .val()
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| half::bf16::from_f32(*x).to_f32())
+            .collect();
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn missing_tensor_is_named() {
+        let (dir, ..) = saved(true);
+        edit_weights(dir.path(), |t| t.retain(|(n, _)| n != "model.layers.1.mlp.up_proj.weight"));
+        let e = Qwen3::<B>::load(dir.path(), &Default::default()).unwrap_err();
+        assert!(matches!(e, Qwen3Error::MissingTensor { .. }), "{e}");
+        let msg = e.to_string();
+        assert!(msg.contains("model.layers.1.mlp.up_proj.weight") && msg.contains(WEIGHTS_FILE), "{msg}");
+        // An untied config needs lm_head.weight, which a tied checkpoint lacks.
+        let (dir, ..) = saved(true);
+        let mut cfg = small(false);
+        cfg.tie_word_embeddings = false;
+        let e = Qwen3::<B>::load_weights(&cfg, dir.path(), &Default::default()).unwrap_err().to_string();
+        assert!(e.contains("lm_head.weight"), "{e}");
+    }
+
+    #[test]
+    fn wrong_shape_is_named() {
+        let (dir, ..) = saved(true);
+        edit_weights(dir.path(), |t| {
+            for (n, v) in t.iter_mut() {
+                if n == "model.layers.0.self_attn.k_proj.weight" {
+                    *v = TensorOut::F32(vec![24, 10], vec![0.0; 240]);
+                }
+            }
+        });
+        let e = Qwen3::<B>::load(dir.path(), &Default::default()).unwrap_err();
+        let msg = e.to_string();
+        assert!(matches!(e, Qwen3Error::Shape { .. }), "{msg}");
+        assert!(msg.contains("model.layers.0.self_attn.k_proj.weight") && msg.contains("[10, 24]"), "{msg}");
+    }
+
+    #[test]
+    fn integer_dtype_is_refused_with_name() {
+        let (dir, ..) = saved(true);
+        edit_weights(dir.path(), |t| {
+            for (n, v) in t.iter_mut() {
+                if n == "model.norm.weight" {
+                    *v = TensorOut::I64(vec![24], vec![1; 24]);
+                }
+            }
+        });
+        let e = Qwen3::<B>::load(dir.path(), &Default::default()).unwrap_err();
+        assert!(matches!(e, Qwen3Error::DType { .. }), "{e}");
+        assert!(e.to_string().contains("model.norm.weight"), "{e}");
+    }
+
+    #[test]
+    fn unknown_tensors_are_reported() {
+        let (dir, ..) = saved(true);
+        edit_weights(dir.path(), |t| {
+            t.push(("model.layers.7.self_attn.q_proj.weight".into(), TensorOut::F32(vec![1], vec![0.0])))
+        });
+        let e = Qwen3::<B>::load(dir.path(), &Default::default()).unwrap_err();
+        assert!(matches!(e, Qwen3Error::UnknownTensors { .. }), "{e}");
+        assert!(e.to_string().contains("model.layers.7.self_attn.q_proj.weight"), "{e}");
+    }
+
+    #[test]
+    fn truncated_and_missing_files_are_errors() {
+        let (dir, ..) = saved(true);
+        let path = dir.path().join(WEIGHTS_FILE);
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() - 100]).unwrap();
+        let e = Qwen3::<B>::load(dir.path(), &Default::default()).unwrap_err();
+        assert!(matches!(e, Qwen3Error::Safetensors { .. }), "{e}");
+        assert!(e.to_string().contains(WEIGHTS_FILE), "{e}");
+        std::fs::remove_file(&path).unwrap();
+        let e = Qwen3::<B>::load(dir.path(), &Default::default()).unwrap_err().to_string();
+        assert!(e.contains(WEIGHTS_FILE) && e.contains(INDEX_FILE), "{e}");
+        std::fs::write(dir.path().join(CONFIG_FILE), "{").unwrap();
+        let e = Qwen3::<B>::load(dir.path(), &Default::default()).unwrap_err().to_string();
+        assert!(e.contains(CONFIG_FILE), "{e}");
+    }
+
+    #[test]
+    fn index_naming_a_missing_tensor_is_an_error() {
+        let (dir, _config, model) = saved(true);
+        let tensors = model.to_hf_tensors();
+        let mut weight_map = serde_json::Map::new();
+        for (n, _) in &tensors {
+            weight_map.insert(n.clone(), "part.safetensors".into());
+        }
+        weight_map.insert("model.norm.extra".into(), "part.safetensors".into());
+        write_safetensors(dir.path().join("part.safetensors"), tensors, None).unwrap();
+        std::fs::remove_file(dir.path().join(WEIGHTS_FILE)).unwrap();
+        std::fs::write(
+            dir.path().join(INDEX_FILE),
+            serde_json::json!({"weight_map": weight_map}).to_string(),
+        )
+        .unwrap();
+        let e = Qwen3::<B>::load(dir.path(), &Default::default()).unwrap_err().to_string();
+        assert!(e.contains("model.norm.extra") && e.contains("part.safetensors"), "{e}");
     }
 }

@@ -109,7 +109,9 @@ impl Qwen3Config {
             (Some(params), top) => {
                 let rope_type = params.get("rope_type").and_then(|v| v.as_str()).unwrap_or("default");
                 if rope_type != "default" {
-                    return Err(bad(format!("rope_parameters.rope_type `{rope_type}` is not supported (only `default`)")));
+                    return Err(bad(format!(
+                        "rope_parameters.rope_type `{rope_type}` is not supported (only `default`)"
+                    )));
                 }
                 match params.get("rope_theta").and_then(|v| v.as_f64()).or(top) {
                     Some(t) => t,
@@ -165,19 +167,19 @@ impl Qwen3Config {
                 return Err(format!("`{key}` must be positive"));
             }
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             return Err(format!(
                 "`num_attention_heads` ({}) must be a multiple of `num_key_value_heads` ({})",
                 self.num_attention_heads, self.num_key_value_heads
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(format!("`head_dim` ({}) must be even for RoPE", self.head_dim));
         }
-        if !(self.rms_norm_eps > 0.0) {
+        if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
             return Err("`rms_norm_eps` must be positive".into());
         }
-        if !(self.rope_theta > 0.0) {
+        if self.rope_theta.is_nan() || self.rope_theta <= 0.0 {
             return Err("`rope_theta` must be positive".into());
         }
         Ok(())
@@ -301,5 +303,86 @@ impl Qwen3Config {
     /// The backend's RNG decides the values; seed it with `B::seed` for reproducibility.
     pub fn init<B: Backend>(&self, device: &B::Device) -> Qwen3<B> {
         Qwen3::new(self, device)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TINY_A: &str = r#"{"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "max_position_embeddings": 128, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+        "tie_word_embeddings": true, "attention_bias": false, "hidden_act": "silu",
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "torch_dtype": "float32"}"#;
+
+    fn parse(s: &str) -> Result<Qwen3Config> {
+        Qwen3Config::from_json_str(s, Path::new("cfg/config.json"))
+    }
+
+    #[test]
+    fn reads_official_key_style() {
+        let c = parse(TINY_A).unwrap();
+        assert_eq!(c.rope_theta, 1e6);
+        assert_eq!((c.num_attention_heads, c.num_key_value_heads, c.head_dim), (4, 2, 16));
+        assert!(c.tie_word_embeddings);
+        assert_eq!(c.rms_norm_eps, 1e-6);
+    }
+
+    #[test]
+    fn reads_transformers5_rope_parameters() {
+        let s = TINY_A.replace(
+            r#""rope_theta": 1000000.0"#,
+            r#""rope_parameters": {"rope_theta": 5000.0, "rope_type": "default"}"#,
+        );
+        assert_eq!(parse(&s).unwrap().rope_theta, 5000.0);
+    }
+
+    #[test]
+    fn head_dim_is_honoured_not_derived() {
+        let s = TINY_A.replace(r#""head_dim": 16"#, r#""head_dim": 32"#);
+        let c = parse(&s).unwrap();
+        assert_eq!(c.head_dim, 32);
+        assert_eq!(c.q_dim(), 128);
+        let s = TINY_A.replace(r#""head_dim": 16,"#, "");
+        assert_eq!(parse(&s).unwrap().head_dim, 16, "default is hidden / heads");
+        let p = Qwen3Config::qwen3_0_6b();
+        assert_eq!((p.q_dim(), p.hidden_size), (2048, 1024));
+    }
+
+    #[test]
+    fn errors_name_the_file_and_key() {
+        let e = parse("{ not json").unwrap_err().to_string();
+        assert!(e.contains("cfg/config.json") && e.contains("invalid JSON"), "{e}");
+        let e = parse(&TINY_A.replace(r#""vocab_size": 256,"#, "")).unwrap_err().to_string();
+        assert!(e.contains("cfg/config.json") && e.contains("vocab_size"), "{e}");
+        let e = parse(&TINY_A.replace(r#""rope_theta": 1000000.0,"#, "")).unwrap_err().to_string();
+        assert!(e.contains("rope_theta"), "{e}");
+        let e = parse(&TINY_A.replace(r#""num_key_value_heads": 2"#, r#""num_key_value_heads": 3"#))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("num_key_value_heads"), "{e}");
+        let e = parse(&TINY_A.replace(r#""model_type": "qwen3""#, r#""model_type": "llama""#)).unwrap_err();
+        assert!(e.to_string().contains("llama"), "{e}");
+        let e = parse(&TINY_A.replace(r#""hidden_size": 64"#, r#""hidden_size": "64""#)).unwrap_err();
+        assert!(matches!(e, Qwen3Error::Json { .. }), "{e}");
+        let e = Qwen3Config::from_file("/nonexistent/config.json").unwrap_err().to_string();
+        assert!(e.contains("/nonexistent/config.json"), "{e}");
+    }
+
+    #[test]
+    fn json_round_trip_and_presets() {
+        let c = parse(TINY_A).unwrap();
+        assert_eq!(parse(&c.to_json_string()).unwrap(), c);
+        for name in ["tiny", "0.6b", "Qwen3-1.7B", "4b", "8b"] {
+            let p = Qwen3Config::preset(name).unwrap();
+            p.validate().unwrap();
+            assert_eq!(parse(&p.to_json_string()).unwrap(), p);
+        }
+        assert!(!Qwen3Config::qwen3_8b().tie_word_embeddings);
+        assert!(Qwen3Config::preset("70b").is_none());
+        // Qwen3-0.6B has ~0.6B parameters (tied, so the head is not counted twice).
+        let n = Qwen3Config::qwen3_0_6b().num_params();
+        assert!((590_000_000..610_000_000).contains(&n), "{n}");
     }
 }

@@ -157,9 +157,14 @@ impl<B: Backend> KvCache<B> {
         Self { layers: Vec::new() }
     }
 
-    /// Number of cached positions.
+    /// Number of cached positions (of the first layer; all layers agree between calls).
     pub fn len(&self) -> usize {
-        match self.layers.first() {
+        self.len_of(0)
+    }
+
+    /// Number of positions cached for `layer`.
+    pub fn len_of(&self, layer: usize) -> usize {
+        match self.layers.get(layer) {
             Some(Some((k, _))) => k.dims()[2],
             _ => 0,
         }
@@ -230,7 +235,12 @@ impl<B: Backend> Attention<B> {
     ///
     /// The number of heads is read from the weights, so a tensor-parallel shard of this module
     /// (fewer heads per rank) runs unchanged.
-    pub fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, cache: Option<(&mut KvCache<B>, usize)>) -> Tensor<B, 3> {
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        rope: &Rope<B>,
+        cache: Option<(&mut KvCache<B>, usize)>,
+    ) -> Tensor<B, 3> {
         let [b, t, _] = x.dims();
         let hd = self.head_dim;
         let heads = self.q_proj.weight.dims()[0] / hd;
@@ -241,7 +251,7 @@ impl<B: Backend> Attention<B> {
         let v = split(self.v_proj.forward(x), kv_heads).swap_dims(1, 2);
         let q = rope.apply(q);
         let k = rope.apply(k);
-        let past = cache.as_ref().map_or(0, |(c, _)| c.len());
+        let past = cache.as_ref().map_or(0, |(c, layer)| c.len_of(*layer));
         let (k, v) = match cache {
             Some((c, layer)) => c.append(layer, k, v),
             None => (k, v),
@@ -312,7 +322,12 @@ pub struct DecoderLayer<B: Backend> {
 
 impl<B: Backend> DecoderLayer<B> {
     /// `h = x + attn(norm(x)); h + mlp(norm(h))`.
-    pub fn forward(&self, x: Tensor<B, 3>, rope: &Rope<B>, cache: Option<(&mut KvCache<B>, usize)>) -> Tensor<B, 3> {
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        rope: &Rope<B>,
+        cache: Option<(&mut KvCache<B>, usize)>,
+    ) -> Tensor<B, 3> {
         let h = x.clone() + self.self_attn.forward(self.input_layernorm.forward(x), rope, cache);
         h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h))
     }

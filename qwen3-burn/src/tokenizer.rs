@@ -47,3 +47,42 @@ impl Tokenizer {
         Qwen3Error::Tokenizer { path: self.path.clone(), msg: e.to_string() }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn qwen3() -> Tokenizer {
+        let path =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/qwen3-tokenizer/tokenizer.json");
+        Tokenizer::from_file(path).unwrap()
+    }
+
+    #[test]
+    fn matches_python_tokenizers_on_the_real_qwen3_file() {
+        let t = qwen3();
+        // Reference ids from Python `tokenizers` 0.23.3 on the same file (see its SOURCE.md).
+        assert_eq!(
+            t.encode("Hello, world! <think>2+2=4</think> 你好").unwrap(),
+            vec![9707, 11, 1879, 0, 220, 151667, 17, 10, 17, 28, 19, 151668, 220, 108386]
+        );
+        assert_eq!(
+            t.encode("FSDP shards every parameter across ranks.").unwrap(),
+            vec![37, 5491, 47, 74110, 1449, 5733, 3941, 20803, 13]
+        );
+        assert_eq!(
+            t.encode("  x = 7*cur + 3\n").unwrap(),
+            vec![220, 856, 284, 220, 22, 9, 2352, 488, 220, 18, 198]
+        );
+        assert_eq!(t.token_id("<|endoftext|>"), Some(151643));
+        assert_eq!(t.vocab_size(), 151669);
+        let text = "FSDP shards every parameter across ranks.";
+        assert_eq!(t.decode(&t.encode(text).unwrap()).unwrap(), text);
+    }
+
+    #[test]
+    fn missing_file_is_named() {
+        let e = Tokenizer::from_file("/nonexistent/tokenizer.json").err().unwrap().to_string();
+        assert!(e.contains("/nonexistent/tokenizer.json"), "{e}");
+    }
+}

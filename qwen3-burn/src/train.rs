@@ -77,7 +77,12 @@ impl Batches {
     }
 
     /// Rows `rows` of step `step` as a `[rows.len(), width]` tensor.
-    pub fn rows<B: Backend>(&self, step: usize, rows: std::ops::Range<usize>, device: &B::Device) -> Tensor<B, 2, Int> {
+    pub fn rows<B: Backend>(
+        &self,
+        step: usize,
+        rows: std::ops::Range<usize>,
+        device: &B::Device,
+    ) -> Tensor<B, 2, Int> {
         let start = (step * self.rows + rows.start) * self.width;
         let end = (step * self.rows + rows.end) * self.width;
         let data = TensorData::new(self.tokens[start..end].to_vec(), [rows.len(), self.width]);

@@ -1,1 +1,74 @@
-//! Integration tests
+//! Shared helpers of the integration tests: fixture paths and reference trajectories.
+#![warn(missing_docs)]
+
+use std::path::PathBuf;
+
+/// Path of a file or directory under `tests/fixtures/`.
+pub fn fixture(rel: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(rel)
+}
+
+/// A PyTorch reference run (`single.json`, `fsdp4.json`, …).
+#[derive(Debug, Clone)]
+pub struct Reference {
+    /// Loss per step.
+    pub losses: Vec<f64>,
+    /// Global gradient norm per step, before clipping.
+    pub grad_norms: Vec<f64>,
+}
+
+/// Reads `tests/fixtures/<case>/<name>.json`.
+pub fn reference(case: &str, name: &str) -> Reference {
+    let path = fixture(&format!("{case}/{name}.json"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let v: serde_json::Value =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let list = |k: &str| -> Vec<f64> {
+        v[k].as_array()
+            .unwrap_or_else(|| panic!("{}: no `{k}`", path.display()))
+            .iter()
+            .filter_map(|x| x.as_f64())
+            .collect()
+    };
+    Reference { losses: list("losses"), grad_norms: list("grad_norms") }
+}
+
+/// Largest `|a - b| / |b|` over two equally long series.
+pub fn max_rel_diff(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len(), "series lengths differ");
+    a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(f64::MIN_POSITIVE)).fold(0.0, f64::max)
+}
+
+/// The optimizer flags of the fixtures' `train.json`, as `train-qwen3` arguments.
+pub fn train_args(case: &str, extra: &[&str]) -> xtask::train::TrainArgs {
+    let train = fixture(&format!("{case}/train.json"));
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&train).unwrap_or_default()).unwrap_or_default();
+    let betas = format!("{},{}", v["betas"][0], v["betas"][1]);
+    let (lr, eps, wd) = (v["lr"].to_string(), v["eps"].to_string(), v["weight_decay"].to_string());
+    let checkpoint = fixture(case).display().to_string();
+    let batches = fixture(&format!("{case}/batches.safetensors")).display().to_string();
+    let mut argv: Vec<&str> = vec![
+        "train-qwen3",
+        "--checkpoint",
+        &checkpoint,
+        "--batches",
+        &batches,
+        "--lr",
+        &lr,
+        "--betas",
+        &betas,
+        "--eps",
+        &eps,
+        "--weight-decay",
+        &wd,
+        "--quiet",
+    ];
+    argv.extend_from_slice(extra);
+    parse_train(&argv).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Parses a `train-qwen3` command line (first element: the command name).
+pub fn parse_train(argv: &[&str]) -> Result<xtask::train::TrainArgs, String> {
+    xtask::train::TrainArgs::parse_from_args(argv).map_err(|e| e.to_string())
+}

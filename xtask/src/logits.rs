@@ -33,7 +33,11 @@ pub fn run(args: &LogitsArgs) -> Result<()> {
         bail!("{}: tensor `input_ids` has shape {shape:?}, expected [batch, seq]", args.input.display());
     };
     if let Some(bad) = ids.iter().find(|&&i| i < 0 || i as usize >= config.vocab_size) {
-        bail!("{}: `input_ids` holds token {bad}, outside the vocabulary 0..{}", args.input.display(), config.vocab_size);
+        bail!(
+            "{}: `input_ids` holds token {bad}, outside the vocabulary 0..{}",
+            args.input.display(),
+            config.vocab_size
+        );
     }
     let ids = Tensor::<Backend, 2, Int>::from_data(TensorData::new(ids, [b, t]), &device);
     let logits = model.forward(ids);

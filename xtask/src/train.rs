@@ -92,13 +92,10 @@ fn parse_betas(s: &str) -> std::result::Result<(f64, f64), String> {
 impl TrainArgs {
     /// Default arguments (the README's main job), as `clap` would parse an empty command line.
     pub fn defaults() -> Self {
-        use clap::Parser;
-        #[derive(Parser)]
-        struct Wrap {
-            #[command(flatten)]
-            args: TrainArgs,
+        match Self::parse_from_args(&["train-qwen3"]) {
+            Ok(args) => args,
+            Err(e) => unreachable!("the defaults parse: {e}"),
         }
-        Wrap::parse_from(["train-qwen3"]).args
     }
 
     /// The AdamW hyper-parameters.
@@ -154,15 +151,16 @@ pub fn setup(args: &TrainArgs) -> Result<Setup> {
         bail!("--eps must be positive, got {}", args.eps);
     }
     if let Some(c) = args.clip
-        && !(c >= 0.0)
+        && (c.is_nan() || c < 0.0)
     {
         bail!("--clip must be non-negative, got {c}");
     }
     let (model, config) = match &args.checkpoint {
         Some(dir) => Qwen3::<TrainBackend>::load(dir, &device)?,
         None => {
-            let config = Qwen3Config::preset(&args.preset)
-                .with_context(|| format!("--preset `{}` is unknown (tiny, 0.6b, 1.7b, 4b, 8b)", args.preset))?;
+            let config = Qwen3Config::preset(&args.preset).with_context(|| {
+                format!("--preset `{}` is unknown (tiny, 0.6b, 1.7b, 4b, 8b)", args.preset)
+            })?;
             TrainBackend::seed(&device, args.seed);
             (config.init::<TrainBackend>(&device), config)
         }
@@ -185,17 +183,23 @@ pub fn setup(args: &TrainArgs) -> Result<Setup> {
             if args.batch == 0 || args.seq == 0 {
                 bail!("--batch and --seq must be at least 1");
             }
-            synthetic_batches(args.steps.unwrap_or(20), world * args.batch, args.seq, config.vocab_size, args.seed)
+            synthetic_batches(
+                args.steps.unwrap_or(20),
+                world * args.batch,
+                args.seq,
+                config.vocab_size,
+                args.seed,
+            )
         }
     };
     let steps = args.steps.unwrap_or(batches.steps);
     if steps > batches.steps {
         bail!("--steps {steps} exceeds the {} steps of the batches file", batches.steps);
     }
-    if batches.rows % world != 0 {
+    if !batches.rows.is_multiple_of(world) {
         bail!("the global batch has {} rows, which --world-size {world} does not divide", batches.rows);
     }
-    if (batches.rows / world) % args.grad_accum != 0 {
+    if !(batches.rows / world).is_multiple_of(args.grad_accum) {
         bail!(
             "each rank has {} rows per step, which --grad-accum {} does not divide",
             batches.rows / world,
@@ -268,7 +272,8 @@ pub fn train_single(
         let mut accum = GradientsAccumulator::<Qwen3<TrainBackend>>::new();
         let mut loss_sum = 0.0;
         for m in 0..micro {
-            let tokens = batches.rows::<TrainBackend>(step, m * rows_per_micro..(m + 1) * rows_per_micro, &device);
+            let tokens =
+                batches.rows::<TrainBackend>(step, m * rows_per_micro..(m + 1) * rows_per_micro, &device);
             let (inputs, labels) = inputs_and_labels(tokens);
             let loss = cross_entropy(model.forward(inputs), labels).div_scalar(micro as f64);
             loss_sum += loss.clone().into_scalar() as f64;
@@ -290,4 +295,17 @@ pub fn train_single(
     }
     let _ = model.valid();
     Ok(out)
+}
+
+impl TrainArgs {
+    /// Parses a command line (`argv[0]` is the command name), as the binary does.
+    pub fn parse_from_args(argv: &[&str]) -> std::result::Result<Self, clap::Error> {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Wrap {
+            #[command(flatten)]
+            args: TrainArgs,
+        }
+        Wrap::try_parse_from(argv).map(|w| w.args)
+    }
 }
