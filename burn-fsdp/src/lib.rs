@@ -1,8 +1,35 @@
 //! Fully sharded data parallelism for Burn, modelled on PyTorch FSDP2 (`fully_shard`).
+//!
+//! - [`Fsdp::wrap`] shards every parameter of any Burn module on dim 0 across the ranks of a
+//!   [`DeviceMesh`], grouped into units (by default one per element of a `Vec` of modules,
+//!   e.g. per decoder layer, plus the root unit).
+//! - [`Fsdp::forward`] all-gathers each unit just before it runs (through the model's
+//!   [`UnitRunner`] hook); the gather is a differentiable op whose backward reduce-scatters
+//!   the gradient ([`op`]).
+//! - [`AdamW`] steps the shards with PyTorch semantics; [`Fsdp::clip_grad_norm`] clips by the
+//!   global norm; [`Fsdp::set_requires_gradient_sync`] accumulates without communication.
+//! - Ranks talk through a [`ProcessGroup`]; [`LocalGroup`]/[`launch`] run ranks as threads.
+//!
+//! Module layout follows PyTorch's `_fully_shard/`: one concept per file — [`param`] (the
+//! sharded parameter), [`unit`] (the parameter group), [`collectives`], [`op`] (the autodiff
+//! hooks), [`fsdp`] (the public API).
 #![warn(missing_docs)]
 
+pub mod collectives;
+pub mod comm;
+pub mod fsdp;
+pub mod local;
+pub mod mesh;
+pub mod op;
 pub mod optim;
+pub mod param;
 pub mod runner;
+pub mod unit;
 
+pub use comm::{CollectiveKind, CommError, CommStats, ProcessGroup, ReduceOp, Tag};
+pub use fsdp::{Fsdp, FsdpConfig, FsdpError, FsdpRunner, MixedPrecisionPolicy, UnitPolicy};
+pub use local::{LocalGroup, launch};
+pub use mesh::DeviceMesh;
+pub use op::FsdpBackend;
 pub use optim::{AdamW, AdamWConfig, clip_grad_norm, grad_norm};
 pub use runner::{Direct, UnitRunner};

@@ -26,8 +26,8 @@ use burn::tensor::{Tensor, backend::Backend};
 ///
 /// let device = Default::default();
 /// let x = Tensor::<NdArray, 2>::ones([2, 3], &device);
-/// // A unit with no parameters: `()` is a Burn module.
-/// let y = Direct.run(&(), x, |_unit, x| x * 2);
+/// // Any Burn module can be a unit; `Relu` has no parameters.
+/// let y = Direct.run(&burn::nn::Relu::new(), x, |_unit, x| x * 2);
 /// assert_eq!(y.into_data().to_vec::<f32>().unwrap(), vec![2.0; 6]);
 /// ```
 pub trait UnitRunner<B: Backend> {

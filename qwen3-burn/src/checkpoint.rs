@@ -277,6 +277,48 @@ impl HfWeights {
     }
 }
 
+/// Where the loader reads tensors from: checkpoint files, or tensors already in memory.
+pub trait TensorSource {
+    /// All tensor names.
+    fn tensor_names(&self) -> Vec<String>;
+    /// Tensor `name` as `f32` values and shape.
+    fn read(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)>;
+    /// The file to name in errors about `name`.
+    fn origin_of(&self, name: &str) -> PathBuf;
+}
+
+impl TensorSource for HfWeights {
+    fn tensor_names(&self) -> Vec<String> {
+        self.names().map(str::to_owned).collect()
+    }
+    fn read(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)> {
+        self.read_f32(name)
+    }
+    fn origin_of(&self, name: &str) -> PathBuf {
+        self.file_of(name).map(|f| f.path().to_path_buf()).unwrap_or_else(|_| self.origin.clone())
+    }
+}
+
+/// Tensors held in memory, e.g. from [`Qwen3::to_hf_tensors`] (for building identical
+/// replicas on several ranks without re-reading files).
+impl TensorSource for [(String, TensorOut)] {
+    fn tensor_names(&self) -> Vec<String> {
+        self.iter().map(|(n, _)| n.clone()).collect()
+    }
+    fn read(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)> {
+        match self.iter().find(|(n, _)| n == name) {
+            Some((_, TensorOut::F32(shape, v))) => Ok((v.clone(), shape.clone())),
+            Some((_, TensorOut::I64(..))) => {
+                Err(Qwen3Error::DType { path: "<memory>".into(), name: name.to_owned(), dtype: "I64".into() })
+            }
+            None => Err(Qwen3Error::MissingTensor { path: "<memory>".into(), name: name.to_owned() }),
+        }
+    }
+    fn origin_of(&self, _name: &str) -> PathBuf {
+        "<memory>".into()
+    }
+}
+
 /// Tracks the dotted module path while a visitor/mapper walks a module.
 #[derive(Default)]
 struct PathStack(Vec<String>);
@@ -294,14 +336,14 @@ impl PathStack {
 }
 
 /// Replaces every parameter with the checkpoint tensor of the same name.
-struct Loader<'a> {
-    weights: &'a HfWeights,
+struct Loader<'a, S: TensorSource + ?Sized> {
+    weights: &'a S,
     path: PathStack,
     used: Vec<String>,
     error: Option<Qwen3Error>,
 }
 
-impl<B: Backend> ModuleMapper<B> for Loader<'_> {
+impl<B: Backend, S: TensorSource + ?Sized> ModuleMapper<B> for Loader<'_, S> {
     fn enter_module(&mut self, name: &str, _container_type: &str) {
         self.path.push(name);
     }
@@ -317,9 +359,9 @@ impl<B: Backend> ModuleMapper<B> for Loader<'_> {
         }
         let (id, tensor, mapper) = param.consume();
         let expected = tensor.dims().to_vec();
-        let loaded = self.weights.read_f32(&name).and_then(|(values, shape)| {
+        let loaded = self.weights.read(&name).and_then(|(values, shape)| {
             if shape != expected {
-                let path = self.weights.file_of(&name).map(|f| f.path().to_path_buf()).unwrap_or_default();
+                let path = self.weights.origin_of(&name);
                 return Err(Qwen3Error::Shape {
                     path,
                     name: name.clone(),
@@ -404,24 +446,30 @@ impl<B: Backend> Qwen3<B> {
         Self::from_weights(config, &weights, device)
     }
 
-    /// Builds the model for `config` from already opened `weights`.
-    pub fn from_weights(config: &Qwen3Config, weights: &HfWeights, device: &B::Device) -> Result<Self> {
+    /// Builds the model for `config` from already opened `weights` (files or memory).
+    pub fn from_weights<S: TensorSource + ?Sized>(
+        config: &Qwen3Config,
+        weights: &S,
+        device: &B::Device,
+    ) -> Result<Self> {
         let model = Self::new(config, device);
         let mut loader = Loader { weights, path: PathStack::default(), used: Vec::new(), error: None };
         let model = model.map(&mut loader);
         if let Some(e) = loader.error {
             return Err(e);
         }
+        let used: std::collections::HashSet<&str> = loader.used.iter().map(String::as_str).collect();
         let mut unknown: Vec<String> = weights
-            .names()
-            .filter(|n| !loader.used.iter().any(|u| u == n))
+            .tensor_names()
+            .into_iter()
+            .filter(|n| !used.contains(n.as_str()))
             // A tied checkpoint may still carry a copy of the head; HF ignores it too.
-            .filter(|n| !(config.tie_word_embeddings && *n == "lm_head.weight"))
-            .map(str::to_owned)
+            .filter(|n| !(config.tie_word_embeddings && n == "lm_head.weight"))
             .collect();
         if !unknown.is_empty() {
             unknown.sort();
-            return Err(Qwen3Error::UnknownTensors { path: weights.origin.clone(), names: unknown });
+            let path = weights.origin_of(&unknown[0]);
+            return Err(Qwen3Error::UnknownTensors { path, names: unknown });
         }
         Ok(model)
     }

@@ -3,6 +3,8 @@
 
 use std::path::PathBuf;
 
+pub mod toy;
+
 /// Path of a file or directory under `tests/fixtures/`.
 pub fn fixture(rel: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(rel)

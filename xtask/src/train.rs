@@ -2,19 +2,20 @@
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Mutex;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::Backend as _;
-use burn_fsdp::{AdamWConfig, clip_grad_norm};
+use burn_fsdp::{AdamWConfig, DeviceMesh, Fsdp, FsdpConfig, ReduceOp, clip_grad_norm, launch};
+use qwen3_burn::checkpoint::TensorOut;
 use qwen3_burn::train::{Batches, cross_entropy, inputs_and_labels};
 use qwen3_burn::{Qwen3, Qwen3Config};
 use serde::Serialize;
 
 use crate::data::synthetic_batches;
-use crate::{TrainBackend, device};
+use crate::{Backend, FsdpTrainBackend, TrainBackend, device};
 
 /// Arguments of `train-qwen3`.
 #[derive(Debug, Clone, clap::Args)]
@@ -38,7 +39,7 @@ pub struct TrainArgs {
     /// Free gathered parameters after each unit's forward and re-gather them in backward.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub reshard_after_forward: bool,
-    /// Number of optimizer steps (default: all steps of --batches, or 20).
+    /// Number of optimizer steps (default: all steps of --batches, or 50 on synthetic data).
     #[arg(long)]
     pub steps: Option<usize>,
     /// Rows per rank per step, for synthetic data.
@@ -126,8 +127,8 @@ pub struct StepMetrics {
 pub struct Setup {
     /// Model config.
     pub config: Qwen3Config,
-    /// Initial model.
-    pub model: Qwen3<TrainBackend>,
+    /// Initial weights (HF names), from which every rank builds its own replica.
+    pub model: Vec<(String, TensorOut)>,
     /// Token batches.
     pub batches: Batches,
     /// Number of steps to run.
@@ -156,15 +157,16 @@ pub fn setup(args: &TrainArgs) -> Result<Setup> {
         bail!("--clip must be non-negative, got {c}");
     }
     let (model, config) = match &args.checkpoint {
-        Some(dir) => Qwen3::<TrainBackend>::load(dir, &device)?,
+        Some(dir) => Qwen3::<Backend>::load(dir, &device)?,
         None => {
             let config = Qwen3Config::preset(&args.preset).with_context(|| {
                 format!("--preset `{}` is unknown (tiny, 0.6b, 1.7b, 4b, 8b)", args.preset)
             })?;
-            TrainBackend::seed(&device, args.seed);
-            (config.init::<TrainBackend>(&device), config)
+            Backend::seed(&device, args.seed);
+            (config.init::<Backend>(&device), config)
         }
     };
+    let model = model.to_hf_tensors();
     let batches = match &args.batches {
         Some(path) => {
             let b = Batches::load(path)?;
@@ -209,60 +211,92 @@ pub fn setup(args: &TrainArgs) -> Result<Setup> {
     Ok(Setup { config, model, batches, steps })
 }
 
-/// Runs training as the flags say and returns the per-step metrics (also written to
-/// `--metrics`).
-pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
-    let setup = setup(args)?;
-    let mut sink = match &args.metrics {
-        Some(p) => {
-            if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
-                std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+/// Where per-step metrics go: the `--metrics` file and the terminal. Shared by ranks.
+pub struct MetricsSink {
+    file: Mutex<Option<std::io::BufWriter<std::fs::File>>>,
+    quiet: bool,
+}
+
+impl MetricsSink {
+    /// Opens `--metrics` (creating its directory) unless absent.
+    pub fn new(path: Option<&std::path::Path>, quiet: bool) -> Result<Self> {
+        let file = match path {
+            Some(p) => {
+                if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
+                    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+                }
+                let f = std::fs::File::create(p)
+                    .with_context(|| format!("creating --metrics {}", p.display()))?;
+                Some(std::io::BufWriter::new(f))
             }
-            Some(std::io::BufWriter::new(
-                std::fs::File::create(p).with_context(|| format!("creating --metrics {}", p.display()))?,
-            ))
-        }
-        None => None,
-    };
-    if !args.quiet {
-        println!(
-            "train-qwen3: {} params, {} layers, world size {}, {} steps of {} rows × {} tokens",
-            setup.config.num_params(),
-            setup.config.num_hidden_layers,
-            args.world(),
-            setup.steps,
-            setup.batches.rows,
-            setup.batches.width - 1
-        );
+            None => None,
+        };
+        Ok(Self { file: Mutex::new(file), quiet })
     }
-    let mut on_step = |m: StepMetrics| -> Result<()> {
-        if let Some(w) = sink.as_mut() {
-            writeln!(w, "{}", serde_json::to_string(&m)?)?;
+
+    /// Records one step.
+    pub fn emit(&self, m: &StepMetrics) -> Result<()> {
+        let mut file = self.file.lock().map_err(|_| anyhow::anyhow!("metrics file lock poisoned"))?;
+        if let Some(w) = file.as_mut() {
+            writeln!(w, "{}", serde_json::to_string(m)?)?;
             w.flush()?;
         }
-        if !args.quiet {
+        if !self.quiet {
             println!(
                 "step {:>4}  loss {:.6}  grad_norm {:.6}  {:.0} tok/s",
                 m.step, m.loss, m.grad_norm, m.tokens_per_sec
             );
         }
         Ok(())
-    };
-    if args.world() == 1 && args.no_fsdp {
-        train_single(args, setup, &mut on_step)
-    } else {
-        bail!("FSDP training (--world-size) is not available yet; use --no-fsdp")
     }
 }
 
+/// Runs training as the flags say and returns the per-step metrics (also written to
+/// `--metrics`).
+pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
+    let setup = setup(args)?;
+    let sink = MetricsSink::new(args.metrics.as_deref(), args.quiet)?;
+    if !args.quiet {
+        println!(
+            "train-qwen3: {} params, {} layers, {}, {} steps of {} rows × {} tokens",
+            setup.config.num_params(),
+            setup.config.num_hidden_layers,
+            if args.no_fsdp {
+                "single device (no FSDP)".to_owned()
+            } else {
+                format!("FSDP over {} in-process ranks", args.world())
+            },
+            setup.steps,
+            setup.batches.rows,
+            setup.batches.width - 1
+        );
+    }
+    let metrics =
+        if args.no_fsdp { train_single(args, setup, &sink)? } else { train_fsdp(args, setup, &sink)? };
+    if !args.quiet
+        && let (Some(first), Some(last)) = (metrics.first(), metrics.last())
+    {
+        let mean_tps = metrics.iter().map(|m| m.tokens_per_sec).sum::<f64>() / metrics.len() as f64;
+        println!(
+            "done: {} steps, loss {:.4} → {:.4}, mean {:.0} tokens/s{}",
+            metrics.len(),
+            first.loss,
+            last.loss,
+            mean_tps,
+            args.metrics.as_ref().map(|p| format!(", metrics in {}", p.display())).unwrap_or_default()
+        );
+    }
+    Ok(metrics)
+}
+
+/// Steps of the synthetic default run when `--steps` is not given.
+pub const SYNTHETIC_STEPS: usize = 50;
+
 /// Single-device training: the reference every FSDP run is compared with.
-pub fn train_single(
-    args: &TrainArgs,
-    setup: Setup,
-    on_step: &mut dyn FnMut(StepMetrics) -> Result<()>,
-) -> Result<Vec<StepMetrics>> {
+pub fn train_single(args: &TrainArgs, setup: Setup, sink: &MetricsSink) -> Result<Vec<StepMetrics>> {
     let device = device();
-    let Setup { mut model, batches, steps, .. } = setup;
+    let Setup { config, model, batches, steps } = setup;
+    let mut model = Qwen3::<TrainBackend>::from_weights(&config, model.as_slice(), &device)?;
     let mut optim = args.adamw().init();
     let micro = args.grad_accum;
     let rows_per_micro = batches.rows / micro;
@@ -283,19 +317,76 @@ pub fn train_single(
         let mut grads = accum.grads();
         let grad_norm = clip_grad_norm(&model, &mut grads, args.clip.unwrap_or(0.0));
         model = optim.step(model, grads);
-        let secs = start.elapsed().as_secs_f64();
         let metrics = StepMetrics {
             step,
             loss: loss_sum,
             grad_norm,
-            tokens_per_sec: (batches.rows * (batches.width - 1)) as f64 / secs.max(1e-9),
+            tokens_per_sec: (batches.rows * (batches.width - 1)) as f64
+                / start.elapsed().as_secs_f64().max(1e-9),
         };
-        on_step(metrics)?;
+        sink.emit(&metrics)?;
         out.push(metrics);
     }
-    let _ = model.valid();
     Ok(out)
 }
+
+/// FSDP training over `--world-size` in-process ranks (threads), each owning
+/// `rows / world` rows of every step's batch.
+pub fn train_fsdp(args: &TrainArgs, setup: Setup, sink: &MetricsSink) -> Result<Vec<StepMetrics>> {
+    let world = args.world();
+    let Setup { config, model, batches, steps } = setup;
+    let rows_per_rank = batches.rows / world;
+    let micro = args.grad_accum;
+    let rows_per_micro = rows_per_rank / micro;
+    let fsdp_config =
+        FsdpConfig { reshard_after_forward: args.reshard_after_forward, ..FsdpConfig::default() };
+    let results = launch(world, COLLECTIVE_TIMEOUT, |group| -> Result<Vec<StepMetrics>> {
+        let device = device();
+        let rank = group.rank();
+        let replica = Qwen3::<FsdpTrainBackend>::from_weights(&config, model.as_slice(), &device)?;
+        let mesh = DeviceMesh::new_1d(group, device);
+        let mut fsdp = Fsdp::wrap(replica, &mesh, fsdp_config.clone())?;
+        let mut optim = args.adamw().init();
+        let mut out = Vec::with_capacity(steps);
+        for step in 0..steps {
+            let start = Instant::now();
+            let mut loss_sum = 0.0;
+            let mut grads = None;
+            for m in 0..micro {
+                fsdp.set_requires_gradient_sync(m + 1 == micro);
+                let first_row = rank * rows_per_rank + m * rows_per_micro;
+                let tokens =
+                    batches.rows::<FsdpTrainBackend>(step, first_row..first_row + rows_per_micro, &device);
+                let (inputs, labels) = inputs_and_labels(tokens);
+                let logits = fsdp.forward(|model, runner| model.forward_with(inputs, runner));
+                let loss = cross_entropy(logits, labels).div_scalar(micro as f64);
+                loss_sum += loss.clone().into_scalar() as f64;
+                grads = Some(fsdp.gradients(loss.backward()));
+            }
+            let mut grads = grads.context("no micro-batch ran")?;
+            let grad_norm = fsdp.clip_grad_norm(&mut grads, args.clip.unwrap_or(0.0))?;
+            fsdp.step(&mut optim, grads);
+            let loss = fsdp.all_reduce_scalar(loss_sum, ReduceOp::Avg, "loss")?;
+            let metrics = StepMetrics {
+                step,
+                loss,
+                grad_norm,
+                tokens_per_sec: (batches.rows * (batches.width - 1)) as f64
+                    / start.elapsed().as_secs_f64().max(1e-9),
+            };
+            if rank == 0 {
+                sink.emit(&metrics)?;
+            }
+            out.push(metrics);
+        }
+        Ok(out)
+    })
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    results.into_iter().next().context("no rank ran")
+}
+
+/// Timeout of every collective of in-process training.
+pub const COLLECTIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
 
 impl TrainArgs {
     /// Parses a command line (`argv[0]` is the command name), as the binary does.

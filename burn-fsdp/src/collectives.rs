@@ -1,0 +1,103 @@
+//! The per-unit collectives: the all-gather of a unit's flat shard and the reduce-scatter of
+//! its flat gradient, with FSDP2's no-sync accumulation.
+
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Tensor};
+
+use crate::comm::{ProcessGroup, ReduceOp, Tag};
+
+/// Why a unit's collective runs: used in tags and messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// All-gather before the unit's forward.
+    ForwardGather,
+    /// Re-gather in backward of a resharded unit.
+    BackwardGather,
+    /// Reduce-scatter of the unit's gradient.
+    ReduceScatter,
+}
+
+impl Phase {
+    fn name(self) -> &'static str {
+        match self {
+            Phase::ForwardGather => "fwd-all-gather",
+            Phase::BackwardGather => "bwd-all-gather",
+            Phase::ReduceScatter => "reduce-scatter",
+        }
+    }
+}
+
+/// Everything a unit's autodiff op needs to communicate, shared by its forward, its
+/// re-gather (retro-forward) and its backward.
+pub struct UnitComm<B: Backend> {
+    /// The data-parallel group the unit is sharded over.
+    pub group: Arc<dyn ProcessGroup<B>>,
+    /// Unit name (module path), for tags.
+    pub name: String,
+    /// Elements of the rank's flat shard.
+    pub shard_len: usize,
+    /// `false` while gradient sync is off (accumulation micro-batches).
+    pub sync: Arc<AtomicBool>,
+    /// Unsharded gradients accumulated while sync was off.
+    pub pending: Mutex<Option<Tensor<B, 1>>>,
+    /// dtype of the all-gather (mixed precision `param_dtype`); `None` keeps the shard's.
+    pub param_dtype: Option<DType>,
+    /// dtype of the reduce-scatter (mixed precision `reduce_dtype`); `None` keeps the grad's.
+    pub reduce_dtype: Option<DType>,
+}
+
+impl<B: Backend> std::fmt::Debug for UnitComm<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UnitComm").field("name", &self.name).field("shard_len", &self.shard_len).finish()
+    }
+}
+
+impl<B: Backend> UnitComm<B> {
+    fn tag(&self, phase: Phase) -> Tag {
+        Tag::new(format!("{}:{}", self.name, phase.name()))
+    }
+
+    /// All-gathers the flat shard: `[shard_len]` → `[world · shard_len]`.
+    ///
+    /// Runs inside forward and inside autodiff's backward, neither of which can return an
+    /// error: a failed collective panics with the communicator's message, and the rank's
+    /// launcher turns that panic into an error (and aborts the group for the other ranks).
+    pub fn gather(&self, shard: Tensor<B, 1>, phase: Phase) -> Tensor<B, 1> {
+        let shard = match self.param_dtype {
+            Some(dt) if shard.dtype() != dt => shard.cast(dt),
+            _ => shard,
+        };
+        match self.group.all_gather(shard, &self.tag(phase)) {
+            Ok(full) => full,
+            Err(e) => panic!("FSDP unit `{}`: {e}", self.name),
+        }
+    }
+
+    /// Turns the unit's full gradient into the rank's averaged shard gradient, or keeps it
+    /// for later when gradient sync is off (then returns `None`).
+    pub fn reduce(&self, full_grad: Tensor<B, 1>) -> Option<Tensor<B, 1>> {
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        let total = match pending.take() {
+            Some(p) => p + full_grad,
+            None => full_grad,
+        };
+        if !self.sync.load(Ordering::SeqCst) {
+            *pending = Some(total);
+            return None;
+        }
+        drop(pending);
+        let grad_dtype = total.dtype();
+        let total = match self.reduce_dtype {
+            Some(dt) if dt != grad_dtype => total.cast(dt),
+            _ => total,
+        };
+        match self.group.reduce_scatter(total, ReduceOp::Avg, &self.tag(Phase::ReduceScatter)) {
+            Ok(g) => Some(g),
+            Err(e) => panic!("FSDP unit `{}`: {e}", self.name),
+        }
+    }
+}

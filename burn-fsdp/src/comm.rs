@@ -1,0 +1,241 @@
+//! The communicator abstraction: collectives over Burn tensors.
+//!
+//! A [`ProcessGroup`] is one rank's handle on a group of ranks. Every collective takes a
+//! [`Tag`] naming what it is for (unit and phase); implementations check that all ranks agree
+//! on the tag, turning a silently mismatched collective order into an error. Every collective
+//! has a timeout: if a peer dies or stops arriving, the others get a [`CommError`] naming the
+//! collective and the missing rank instead of hanging.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+
+/// How values from different ranks are combined.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    /// Sum over ranks.
+    Sum,
+    /// Mean over ranks.
+    Avg,
+    /// Maximum over ranks.
+    Max,
+}
+
+/// The kinds of collective, for counting and messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CollectiveKind {
+    /// [`ProcessGroup::all_gather`].
+    AllGather,
+    /// [`ProcessGroup::reduce_scatter`].
+    ReduceScatter,
+    /// [`ProcessGroup::all_reduce`].
+    AllReduce,
+    /// [`ProcessGroup::broadcast`].
+    Broadcast,
+    /// [`ProcessGroup::barrier`].
+    Barrier,
+}
+
+impl CollectiveKind {
+    /// All kinds, in counter order.
+    pub const ALL: [CollectiveKind; 5] = [
+        CollectiveKind::AllGather,
+        CollectiveKind::ReduceScatter,
+        CollectiveKind::AllReduce,
+        CollectiveKind::Broadcast,
+        CollectiveKind::Barrier,
+    ];
+
+    /// Index into per-kind counters.
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The snake-case name (`all_gather`, …).
+    pub fn name(self) -> &'static str {
+        match self {
+            CollectiveKind::AllGather => "all_gather",
+            CollectiveKind::ReduceScatter => "reduce_scatter",
+            CollectiveKind::AllReduce => "all_reduce",
+            CollectiveKind::Broadcast => "broadcast",
+            CollectiveKind::Barrier => "barrier",
+        }
+    }
+}
+
+impl fmt::Display for CollectiveKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What a collective is for: all ranks must issue collectives with equal tags in equal order.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Tag(pub String);
+
+impl Tag {
+    /// A tag from anything printable.
+    pub fn new(s: impl Into<String>) -> Self {
+        Self(s.into())
+    }
+}
+
+impl fmt::Display for Tag {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<&str> for Tag {
+    fn from(s: &str) -> Self {
+        Self(s.to_owned())
+    }
+}
+
+/// A failed collective.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CommError {
+    /// Some ranks did not arrive within the timeout.
+    #[error("{kind} `{tag}` timed out after {timeout:?} on rank {rank}: rank(s) {missing:?} did not arrive")]
+    Timeout {
+        /// The collective.
+        kind: CollectiveKind,
+        /// Its tag.
+        tag: Tag,
+        /// The rank reporting.
+        rank: usize,
+        /// The ranks that never arrived.
+        missing: Vec<usize>,
+        /// The timeout.
+        timeout: Duration,
+    },
+    /// A peer failed (panicked or returned an error) and the group was aborted.
+    #[error("{kind} `{tag}` on rank {rank} aborted: rank {failed_rank} failed: {reason}")]
+    PeerFailed {
+        /// The collective.
+        kind: CollectiveKind,
+        /// Its tag.
+        tag: Tag,
+        /// The rank reporting.
+        rank: usize,
+        /// The rank that failed.
+        failed_rank: usize,
+        /// Why it failed.
+        reason: String,
+    },
+    /// Ranks issued different collectives at the same point.
+    #[error(
+        "collective mismatch at call #{seq} on rank {rank}: this rank issued {mine}, rank {other_rank} issued {theirs}"
+    )]
+    Mismatch {
+        /// Sequence number of the call.
+        seq: u64,
+        /// The rank reporting.
+        rank: usize,
+        /// What this rank issued (kind and tag).
+        mine: String,
+        /// The other rank.
+        other_rank: usize,
+        /// What the other rank issued.
+        theirs: String,
+    },
+    /// Inputs have sizes or dtypes that cannot be combined.
+    #[error("{kind} `{tag}` on rank {rank}: {msg}")]
+    BadInput {
+        /// The collective.
+        kind: CollectiveKind,
+        /// Its tag.
+        tag: Tag,
+        /// The rank reporting.
+        rank: usize,
+        /// What is wrong.
+        msg: String,
+    },
+}
+
+/// Number of collectives and bytes sent, per kind.
+#[derive(Debug, Default)]
+pub struct CommCounters {
+    calls: [AtomicU64; 5],
+    bytes: [AtomicU64; 5],
+}
+
+/// A snapshot of [`CommCounters`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CommStats {
+    /// Calls per kind (index with [`CollectiveKind::index`]).
+    pub calls: [u64; 5],
+    /// Bytes contributed by this rank, per kind.
+    pub bytes: [u64; 5],
+}
+
+impl CommStats {
+    /// Calls of one kind.
+    pub fn calls(&self, kind: CollectiveKind) -> u64 {
+        self.calls[kind.index()]
+    }
+
+    /// Bytes of one kind.
+    pub fn bytes(&self, kind: CollectiveKind) -> u64 {
+        self.bytes[kind.index()]
+    }
+
+    /// `self - earlier`, per counter.
+    pub fn since(&self, earlier: &CommStats) -> CommStats {
+        let mut out = *self;
+        for i in 0..5 {
+            out.calls[i] -= earlier.calls[i];
+            out.bytes[i] -= earlier.bytes[i];
+        }
+        out
+    }
+}
+
+impl CommCounters {
+    /// Records one call of `kind` contributing `bytes`.
+    pub fn record(&self, kind: CollectiveKind, bytes: u64) {
+        self.calls[kind.index()].fetch_add(1, Ordering::Relaxed);
+        self.bytes[kind.index()].fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// The current values.
+    pub fn snapshot(&self) -> CommStats {
+        let mut s = CommStats::default();
+        for i in 0..5 {
+            s.calls[i] = self.calls[i].load(Ordering::Relaxed);
+            s.bytes[i] = self.bytes[i].load(Ordering::Relaxed);
+        }
+        s
+    }
+}
+
+/// One rank's handle on a group of ranks, with collectives on 1D tensors of backend `B`.
+///
+/// Tensors are flattened by the caller. A group of size 1 must issue no communication and
+/// return its input unchanged (or as the identity of the operation).
+pub trait ProcessGroup<B: Backend>: Send + Sync {
+    /// This rank's index in the group.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn size(&self) -> usize;
+    /// Counters of the collectives this rank issued.
+    fn stats(&self) -> CommStats;
+
+    /// Concatenation of every rank's `input` in rank order: `[n]` → `[size·n]`.
+    fn all_gather(&self, input: Tensor<B, 1>, tag: &Tag) -> Result<Tensor<B, 1>, CommError>;
+    /// Reduces every rank's `input` and keeps this rank's chunk: `[size·n]` → `[n]`.
+    fn reduce_scatter(&self, input: Tensor<B, 1>, op: ReduceOp, tag: &Tag)
+    -> Result<Tensor<B, 1>, CommError>;
+    /// Reduces every rank's `input`; all ranks get the result.
+    fn all_reduce(&self, input: Tensor<B, 1>, op: ReduceOp, tag: &Tag) -> Result<Tensor<B, 1>, CommError>;
+    /// Every rank gets `root`'s `input`.
+    fn broadcast(&self, input: Tensor<B, 1>, root: usize, tag: &Tag) -> Result<Tensor<B, 1>, CommError>;
+    /// Returns once every rank has called it.
+    fn barrier(&self, tag: &Tag) -> Result<(), CommError>;
+    /// Marks the group failed because this rank failed: every waiting and future collective
+    /// of every rank returns [`CommError::PeerFailed`].
+    fn abort(&self, reason: &str);
+}

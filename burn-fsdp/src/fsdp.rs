@@ -1,0 +1,621 @@
+//! The public API: `Fsdp::wrap(model, &mesh, FsdpConfig)`.
+
+use std::any::TypeId;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
+use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
+
+use crate::collectives::UnitComm;
+use crate::comm::{CommError, CommStats, ReduceOp, Tag};
+use crate::mesh::DeviceMesh;
+use crate::op::FsdpBackend;
+use crate::optim::{AdamW, clip_coefficient, grad_sq_sum, scale_grads};
+use crate::param::ShardedParam;
+use crate::runner::UnitRunner;
+use crate::unit::FsdpUnit;
+
+/// Which parameters form a unit (one all-gather, one reduce-scatter).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum UnitPolicy {
+    /// Every element of a `Vec` of modules is a unit (for Qwen3: `model.layers.N`); all
+    /// other parameters form the root unit. The default, as torchtitan wraps each block.
+    #[default]
+    VecElements,
+    /// One unit per module-path prefix (e.g. `"encoder.blocks.0"`); parameters under no
+    /// prefix form the root unit.
+    Prefixes(Vec<String>),
+}
+
+impl UnitPolicy {
+    fn unit_of(&self, path: &str) -> String {
+        match self {
+            UnitPolicy::VecElements => {
+                let parts: Vec<&str> = path.split('.').collect();
+                // The first numeric segment that is followed by more path is a Vec index.
+                match (0..parts.len().saturating_sub(1)).find(|&i| parts[i].parse::<usize>().is_ok()) {
+                    Some(i) => parts[..=i].join("."),
+                    None => String::new(),
+                }
+            }
+            UnitPolicy::Prefixes(prefixes) => prefixes
+                .iter()
+                .filter(|p| path == p.as_str() || path.starts_with(&format!("{p}.")))
+                .max_by_key(|p| p.len())
+                .cloned()
+                .unwrap_or_default(),
+        }
+    }
+}
+
+/// FSDP2's `MixedPrecisionPolicy`: master shards stay in their own dtype (fp32); the
+/// all-gather and compute run in `param_dtype`, gradients are reduce-scattered in
+/// `reduce_dtype`. `None` keeps the parameter's dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MixedPrecisionPolicy {
+    /// dtype of all-gathered parameters and of compute.
+    pub param_dtype: Option<DType>,
+    /// dtype of the gradient reduce-scatter.
+    pub reduce_dtype: Option<DType>,
+}
+
+/// Options of [`Fsdp::wrap`] (FSDP2 names).
+#[derive(Debug, Clone, PartialEq)]
+pub struct FsdpConfig {
+    /// Free gathered parameters after each unit's forward and re-gather them in backward
+    /// (needs `Autodiff<_, BalancedCheckpointing>`). `false` keeps them until backward (ZeRO-2).
+    pub reshard_after_forward: bool,
+    /// Whether the root unit reshards too (FSDP2 does not reshard the root by default).
+    pub reshard_root: bool,
+    /// How parameters are grouped into units.
+    pub units: UnitPolicy,
+    /// Mixed precision.
+    pub mp_policy: MixedPrecisionPolicy,
+}
+
+impl Default for FsdpConfig {
+    fn default() -> Self {
+        Self {
+            reshard_after_forward: true,
+            reshard_root: false,
+            units: UnitPolicy::default(),
+            mp_policy: MixedPrecisionPolicy::default(),
+        }
+    }
+}
+
+/// Errors of FSDP's own operations.
+#[derive(Debug, thiserror::Error)]
+pub enum FsdpError {
+    /// The configuration cannot work with this model or backend.
+    #[error("FSDP config: {0}")]
+    Config(String),
+    /// A collective failed.
+    #[error(transparent)]
+    Comm(#[from] CommError),
+}
+
+/// Tracks the dotted module path in visitors and mappers.
+#[derive(Default)]
+pub(crate) struct PathStack(Vec<String>);
+
+impl PathStack {
+    pub(crate) fn push(&mut self, s: &str) {
+        self.0.push(s.to_owned());
+    }
+    pub(crate) fn pop(&mut self) {
+        self.0.pop();
+    }
+    pub(crate) fn current(&self) -> String {
+        self.0.join(".")
+    }
+}
+
+/// `(id, path, shape)` of every float parameter, in visiting order, each id once.
+pub(crate) fn describe_params<B: Backend, M: Module<B>>(module: &M) -> Vec<(ParamId, String, Vec<usize>)> {
+    struct Describe(PathStack, Vec<(ParamId, String, Vec<usize>)>);
+    impl<B: Backend> ModuleVisitor<B> for Describe {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.0.push(name);
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.0.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if !self.1.iter().any(|(id, ..)| *id == param.id) {
+                self.1.push((param.id, self.0.current(), param.val().dims().to_vec()));
+            }
+        }
+    }
+    let mut d = Describe(PathStack::default(), Vec::new());
+    module.visit(&mut d);
+    d.1
+}
+
+/// A module whose parameters are sharded across the ranks of a mesh (PyTorch FSDP2's
+/// `fully_shard`, applied per unit).
+///
+/// Between steps only shards live. [`forward`](Fsdp::forward) all-gathers the root unit and
+/// hands the model a [`UnitRunner`] that gathers each further unit just before it runs; the
+/// gathers are differentiable and reduce-scatter gradients in backward.
+///
+/// # Example
+///
+/// ```
+/// use burn::backend::{Autodiff, NdArray};
+/// use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
+/// use burn::module::{Initializer, Module};
+/// use burn::nn::{Linear, LinearConfig};
+/// use burn::tensor::{Tensor, backend::Backend};
+/// use burn_fsdp::{AdamWConfig, DeviceMesh, Fsdp, FsdpConfig, UnitRunner, launch};
+///
+/// type B = Autodiff<NdArray, BalancedCheckpointing>;
+///
+/// #[derive(Module, Debug)]
+/// struct Mlp<B: Backend> {
+///     layers: Vec<Linear<B>>,
+/// }
+///
+/// impl<B: Backend> Mlp<B> {
+///     fn forward_with(&self, mut x: Tensor<B, 2>, runner: &mut impl UnitRunner<B>) -> Tensor<B, 2> {
+///         for layer in &self.layers {
+///             x = runner.run(layer, x, |l, x| l.forward(x));
+///         }
+///         x
+///     }
+/// }
+///
+/// fn build(device: &burn::tensor::Device<B>) -> Mlp<B> {
+///     let linear = LinearConfig::new(8, 8).with_initializer(Initializer::Constant { value: 0.1 });
+///     Mlp { layers: (0..3).map(|_| linear.init(device)).collect() }
+/// }
+/// let losses = launch(2, std::time::Duration::from_secs(30), |group| {
+///     let device = Default::default();
+///     // Every rank builds its own copy of the same model (never share tracked tensors).
+///     let model = build(&device);
+///     let mesh = DeviceMesh::new_1d(group, device);
+///     let mut fsdp = Fsdp::wrap(model, &mesh, FsdpConfig::default())?;
+///     let mut adam = AdamWConfig::default().init();
+///     let x = Tensor::<B, 2>::ones([4, 8], &device);
+///     let loss = fsdp.forward(|m, r| m.forward_with(x, r)).powf_scalar(2.0).mean();
+///     let grads = fsdp.gradients(loss.backward());
+///     fsdp.step(&mut adam, grads);
+///     Ok::<_, burn_fsdp::FsdpError>(loss.into_scalar())
+/// })
+/// .unwrap();
+/// assert_eq!(losses[0], losses[1]);
+/// ```
+pub struct Fsdp<B: FsdpBackend, M: Module<B>> {
+    module: M,
+    units: Vec<FsdpUnit<B::InnerBackend>>,
+    param_unit: HashMap<ParamId, usize>,
+    mesh: DeviceMesh<B::InnerBackend>,
+    sync: Arc<AtomicBool>,
+    /// Gradients kept while sync is off, at world size 1 (where no gather op runs).
+    stash: Mutex<Option<GradientsParams>>,
+    config: FsdpConfig,
+}
+
+impl<B: FsdpBackend, M: Module<B>> std::fmt::Debug for Fsdp<B, M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fsdp")
+            .field("units", &self.units.iter().map(|u| u.name.as_str()).collect::<Vec<_>>())
+            .field("rank", &self.rank())
+            .field("world", &self.world())
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
+    /// Shards every parameter of `model` on dim 0 across the first dimension of `mesh`.
+    ///
+    /// Every rank calls this with the same (fully initialised) model, built by the rank
+    /// itself: ranks must never share tracked tensors.
+    pub fn wrap(model: M, mesh: &DeviceMesh<B::InnerBackend>, config: FsdpConfig) -> Result<Self, FsdpError> {
+        let group = mesh.group_at(0).clone();
+        let (rank, world) = (group.rank(), group.size());
+        if config.reshard_after_forward && world > 1 && !B::recomputes() {
+            return Err(FsdpError::Config(
+                "reshard_after_forward = true needs the backend Autodiff<_, BalancedCheckpointing> \
+                 (with NoCheckpointing gathered parameters would silently stay alive); \
+                 use that backend or set reshard_after_forward = false"
+                    .into(),
+            ));
+        }
+        let described = describe_params::<B, M>(&model);
+        if described.is_empty() {
+            return Err(FsdpError::Config("the model has no float parameters to shard".into()));
+        }
+        // Group parameters: the root unit (name "") first, then units in visiting order.
+        let mut unit_names: Vec<String> = vec![String::new()];
+        let mut members: Vec<Vec<ShardedParam>> = vec![Vec::new()];
+        let mut param_unit = HashMap::new();
+        for (id, path, shape) in described {
+            let name = config.units.unit_of(&path);
+            let u = match unit_names.iter().position(|n| *n == name) {
+                Some(u) => u,
+                None => {
+                    unit_names.push(name);
+                    members.push(Vec::new());
+                    unit_names.len() - 1
+                }
+            };
+            param_unit.insert(id, u);
+            members[u].push(ShardedParam::new(id, path, shape, world));
+        }
+        let sync = Arc::new(AtomicBool::new(true));
+        let units = unit_names
+            .into_iter()
+            .zip(members)
+            .enumerate()
+            .map(|(i, (name, params))| {
+                let mut offsets = Vec::with_capacity(params.len());
+                let mut len = 0;
+                for p in &params {
+                    offsets.push(len);
+                    len += p.shard_numel();
+                }
+                let reshard = config.reshard_after_forward && (i > 0 || config.reshard_root);
+                FsdpUnit {
+                    comm: Arc::new(UnitComm {
+                        group: group.clone(),
+                        name: if name.is_empty() { "<root>".to_owned() } else { name.clone() },
+                        shard_len: len,
+                        sync: sync.clone(),
+                        pending: Mutex::new(None),
+                        param_dtype: config.mp_policy.param_dtype,
+                        reduce_dtype: config.mp_policy.reduce_dtype,
+                    }),
+                    name,
+                    params,
+                    offsets,
+                    reshard_after_forward: reshard,
+                }
+            })
+            .collect::<Vec<_>>();
+        let mut sharder =
+            Sharder::<B> { units: &units, param_unit: &param_unit, rank, _b: Default::default() };
+        let module = model.map(&mut sharder);
+        Ok(Self { module, units, param_unit, mesh: mesh.clone(), sync, stash: Mutex::new(None), config })
+    }
+
+    /// The sharded module (parameters are local shards).
+    pub fn module(&self) -> &M {
+        &self.module
+    }
+
+    /// Consumes the wrapper, returning the sharded module.
+    pub fn into_module(self) -> M {
+        self.module
+    }
+
+    /// The units, root first.
+    pub fn units(&self) -> &[FsdpUnit<B::InnerBackend>] {
+        &self.units
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &FsdpConfig {
+        &self.config
+    }
+
+    /// The mesh.
+    pub fn mesh(&self) -> &DeviceMesh<B::InnerBackend> {
+        &self.mesh
+    }
+
+    /// This rank in the data-parallel group.
+    pub fn rank(&self) -> usize {
+        self.mesh.group_at(0).rank()
+    }
+
+    /// Size of the data-parallel group.
+    pub fn world(&self) -> usize {
+        self.mesh.group_at(0).size()
+    }
+
+    /// Collective counters of this rank's data-parallel group.
+    pub fn comm_stats(&self) -> CommStats {
+        self.mesh.group_at(0).stats()
+    }
+
+    /// Runs a forward pass: all-gathers the root unit, then calls `f` with the gathered root
+    /// view and a runner that gathers each further unit when the model runs it.
+    ///
+    /// At world size 1 nothing needs gathering: the model runs on its parameters directly,
+    /// so the computation (and its rounding) is exactly that of the unwrapped model.
+    pub fn forward<O>(&self, f: impl FnOnce(&M, &mut FsdpRunner<'_, B, M>) -> O) -> O {
+        let root = if self.units[0].params.is_empty() || self.world() == 1 {
+            self.module.clone()
+        } else {
+            self.gather_view(self.module.clone(), 0, None)
+        };
+        let mut runner = FsdpRunner { fsdp: self };
+        f(&root, &mut runner)
+    }
+
+    /// FSDP2's `set_requires_gradient_sync`: with `false`, backward keeps unsharded gradients
+    /// locally (no reduce-scatter); the next backward with `true` reduces their sum once.
+    pub fn set_requires_gradient_sync(&self, sync: bool) {
+        self.sync.store(sync, Ordering::SeqCst);
+    }
+
+    /// The shard gradients of a backward pass, keyed by parameter id. Call it after every
+    /// backward: while gradient sync is off it returns no gradients (they are accumulated
+    /// unsharded, FSDP2 style); after the next synced backward it returns the reduced sum.
+    pub fn gradients(&self, grads: B::Gradients) -> GradientsParams
+    where
+        M: AutodiffModule<B>,
+    {
+        let sync = self.sync.load(Ordering::SeqCst);
+        let current = GradientsParams::from_grads(grads, &self.module);
+        if self.world() > 1 {
+            // The gather op kept (or reduced) the full gradients itself.
+            return if sync { current } else { GradientsParams::new() };
+        }
+        let mut stash = self.stash.lock().unwrap_or_else(|p| p.into_inner());
+        let total = match stash.take() {
+            Some(mut earlier) => {
+                add_grads::<B, M>(&self.module, &mut earlier, current);
+                earlier
+            }
+            None => current,
+        };
+        if sync {
+            total
+        } else {
+            *stash = Some(total);
+            GradientsParams::new()
+        }
+    }
+
+    /// Global L2 norm of all gradients over all ranks (one all-reduce), clipping them to
+    /// `max_norm` as `clip_grad_norm_` does (`max_norm` ≤ 0 or infinite only measures).
+    pub fn clip_grad_norm(&self, grads: &mut GradientsParams, max_norm: f64) -> Result<f64, FsdpError>
+    where
+        M: AutodiffModule<B>,
+    {
+        let local = grad_sq_sum::<B, M>(&self.module, grads);
+        let total = self.all_reduce_scalar(local, ReduceOp::Sum, "clip_grad_norm")?;
+        let norm = total.sqrt();
+        if max_norm.is_finite() && max_norm > 0.0 {
+            let coef = clip_coefficient(norm, max_norm);
+            if coef < 1.0 {
+                scale_grads::<B, M>(&self.module, grads, coef);
+            }
+        }
+        Ok(norm)
+    }
+
+    /// All-reduces one number over the data-parallel group.
+    pub fn all_reduce_scalar(&self, value: f64, op: ReduceOp, tag: &str) -> Result<f64, FsdpError> {
+        if self.world() == 1 {
+            return Ok(value);
+        }
+        let t = Tensor::<B::InnerBackend, 1>::from_data(
+            TensorData::new(vec![value as f32], [1]),
+            self.mesh.device(),
+        );
+        let r = self.mesh.group_at(0).all_reduce(t, op, &Tag::new(tag))?;
+        Ok(r.into_scalar().elem_f64())
+    }
+
+    /// Steps `optim` on the local shards.
+    pub fn step(&mut self, optim: &mut AdamW<B::InnerBackend>, grads: GradientsParams)
+    where
+        M: AutodiffModule<B>,
+    {
+        let module = self.module.clone();
+        self.module = optim.step(module, grads);
+    }
+
+    /// Every unsharded parameter as `(path, shape, values)`, gathered from all ranks (every
+    /// rank must call this; each gets the full list). For export and checks.
+    pub fn full_parameters(&self) -> Result<Vec<(String, Vec<usize>, TensorData)>, FsdpError> {
+        let shards = collect_shards::<B, M>(&self.module, &self.param_unit, self.units.len());
+        let group = self.mesh.group_at(0);
+        let mut out = Vec::new();
+        for (u, unit) in self.units.iter().enumerate() {
+            if unit.params.is_empty() {
+                continue;
+            }
+            let flat = Tensor::cat(unit_shards(unit, &shards[u]).into_iter().map(|t| t.inner()).collect(), 0);
+            let full = group.all_gather(flat, &Tag::new(format!("{}:export", unit.comm.name)))?;
+            let g2 = full.reshape([self.world(), unit.shard_len()]);
+            for (p, &off) in unit.params.iter().zip(&unit.offsets) {
+                let cols = g2.clone().narrow(1, off, p.shard_numel());
+                out.push((p.path.clone(), p.global_shape.clone(), p.unshard_flat(cols).into_data()));
+            }
+        }
+        Ok(out)
+    }
+
+    fn unit_of_module<U: Module<B>>(&self, module: &U) -> usize {
+        let ids = describe_params::<B, U>(module);
+        let mut units = ids.iter().filter_map(|(id, ..)| self.param_unit.get(id).copied());
+        let Some(first) = units.next() else {
+            panic!("FSDP: a module run through the runner has no parameters known to this Fsdp")
+        };
+        if let Some(other) = units.find(|&u| u != first) {
+            panic!(
+                "FSDP: a module run through the runner mixes units `{}` and `{}`; run each unit separately",
+                self.units[first].name, self.units[other].name
+            );
+        }
+        first
+    }
+
+    /// A view of `module` with unit `u`'s parameters all-gathered (other parameters untouched).
+    fn gather_view<U: Module<B>>(&self, module: U, u: usize, anchor: Option<FloatTensor<B>>) -> U {
+        let unit = &self.units[u];
+        let shards = collect_shards::<B, U>(&module, &self.param_unit, self.units.len());
+        let flat = Tensor::cat(unit_shards(unit, &shards[u]), 0);
+        let full = B::fsdp_all_gather(
+            flat.into_primitive().tensor(),
+            anchor,
+            unit.comm.clone(),
+            unit.reshard_after_forward,
+        );
+        let gathered = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(full))
+            .reshape([self.world(), unit.shard_len()]);
+        let mut mapper = Unsharder::<B> { unit, gathered, _b: Default::default() };
+        module.map(&mut mapper)
+    }
+}
+
+/// `into += from`, parameter by parameter (missing entries are taken as they are).
+fn add_grads<B: FsdpBackend, M: AutodiffModule<B>>(
+    module: &M,
+    into: &mut GradientsParams,
+    mut from: GradientsParams,
+) {
+    struct Add<'a> {
+        into: &'a mut GradientsParams,
+        from: &'a mut GradientsParams,
+    }
+    impl<B: FsdpBackend> ModuleVisitor<B> for Add<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let Some(g) = self.from.remove::<B::InnerBackend, D>(param.id) else { return };
+            let sum = match self.into.remove::<B::InnerBackend, D>(param.id) {
+                Some(e) => e + g,
+                None => g,
+            };
+            self.into.register(param.id, sum);
+        }
+    }
+    module.visit(&mut Add { into, from: &mut from });
+}
+
+trait ElemF64 {
+    fn elem_f64(self) -> f64;
+}
+
+impl<E: burn::tensor::ElementConversion> ElemF64 for E {
+    fn elem_f64(self) -> f64 {
+        self.elem::<f64>()
+    }
+}
+
+/// Flattened shard values of `module`'s parameters, per unit, by id.
+fn collect_shards<B: Backend, M: Module<B>>(
+    module: &M,
+    param_unit: &HashMap<ParamId, usize>,
+    n_units: usize,
+) -> Vec<HashMap<ParamId, Tensor<B, 1>>> {
+    struct Collect<'a, B: Backend> {
+        param_unit: &'a HashMap<ParamId, usize>,
+        out: Vec<HashMap<ParamId, Tensor<B, 1>>>,
+    }
+    impl<B: Backend> ModuleVisitor<B> for Collect<'_, B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if let Some(&u) = self.param_unit.get(&param.id) {
+                let v = param.val();
+                let n = v.shape().num_elements();
+                self.out[u].insert(param.id, v.reshape([n]));
+            }
+        }
+    }
+    let mut c = Collect { param_unit, out: (0..n_units).map(|_| HashMap::new()).collect() };
+    module.visit(&mut c);
+    c.out
+}
+
+/// The unit's shards in unit order; a missing one is a bug in how the model runs its units.
+fn unit_shards<B: Backend, I: Backend>(
+    unit: &FsdpUnit<I>,
+    shards: &HashMap<ParamId, Tensor<B, 1>>,
+) -> Vec<Tensor<B, 1>> {
+    unit.params
+        .iter()
+        .map(|p| match shards.get(&p.id) {
+            Some(t) => t.clone(),
+            None => panic!(
+                "FSDP unit `{}`: parameter `{}` is not inside the module run for this unit",
+                unit.comm.name, p.path
+            ),
+        })
+        .collect()
+}
+
+/// Replaces full parameters by this rank's padded shards (fresh leaves).
+struct Sharder<'a, B: FsdpBackend> {
+    units: &'a [FsdpUnit<B::InnerBackend>],
+    param_unit: &'a HashMap<ParamId, usize>,
+    rank: usize,
+    _b: std::marker::PhantomData<B>,
+}
+
+impl<B: FsdpBackend> ModuleMapper<B> for Sharder<'_, B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let Some(&u) = self.param_unit.get(&id) else {
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
+        let unit = &self.units[u];
+        let Some(i) = unit.index_of(id) else {
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
+        let require_grad = tensor.is_require_grad();
+        let device = tensor.device();
+        // Copy the data out so the shard is a fresh leaf sharing nothing with `tensor`'s graph.
+        let shard = unit.params[i].shard_of(tensor.inner(), self.rank);
+        let mut t = Tensor::<B, D>::from_data(shard.into_data(), &device);
+        if require_grad {
+            t = t.require_grad();
+        }
+        Param::from_mapped_value(id, t, mapper)
+    }
+}
+
+/// Replaces the shards of one unit's parameters by their all-gathered values.
+struct Unsharder<'a, B: FsdpBackend> {
+    unit: &'a FsdpUnit<B::InnerBackend>,
+    gathered: Tensor<B, 2>,
+    _b: std::marker::PhantomData<B>,
+}
+
+impl<B: FsdpBackend> ModuleMapper<B> for Unsharder<'_, B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let Some(i) = self.unit.index_of(id) else {
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
+        let p = &self.unit.params[i];
+        let cols = self.gathered.clone().narrow(1, self.unit.offsets[i], p.shard_numel());
+        let full: Tensor<B, D> = p.unshard(cols);
+        Param::from_mapped_value(id, full, mapper)
+    }
+}
+
+/// The [`UnitRunner`] of an [`Fsdp`] forward: gathers each unit just before it runs.
+pub struct FsdpRunner<'a, B: FsdpBackend, M: Module<B>> {
+    fsdp: &'a Fsdp<B, M>,
+}
+
+impl<B: FsdpBackend, M: Module<B>> UnitRunner<B> for FsdpRunner<'_, B, M> {
+    fn run<U: Module<B>, const D: usize>(
+        &mut self,
+        unit: &U,
+        x: Tensor<B, D>,
+        f: impl FnOnce(&U, Tensor<B, D>) -> Tensor<B, D>,
+    ) -> Tensor<B, D> {
+        if self.fsdp.world() == 1 {
+            return f(unit, x);
+        }
+        let u = self.fsdp.unit_of_module(unit);
+        let anchor = x.clone().into_primitive().tensor();
+        let view = self.fsdp.gather_view(unit.clone(), u, Some(anchor));
+        f(&view, x)
+    }
+}
+
+pub(crate) fn is_balanced<C: 'static>() -> bool {
+    TypeId::of::<C>() == TypeId::of::<BalancedCheckpointing>()
+}
