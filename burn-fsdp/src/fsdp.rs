@@ -426,7 +426,17 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
             if unit.params.is_empty() {
                 continue;
             }
-            let flat = Tensor::cat(unit_shards(unit, &shards[u]).into_iter().map(|t| t.inner()).collect(), 0);
+            let flat = Tensor::cat(
+                unit_shards::<B, _>(unit, &shards[u])
+                    .into_iter()
+                    .map(|t| {
+                        let t = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t));
+                        let n = t.shape().num_elements();
+                        t.inner().reshape([n])
+                    })
+                    .collect(),
+                0,
+            );
             let full = group.all_gather(flat, &Tag::new(format!("{}:export", unit.comm.name)))?;
             let g2 = full.reshape([self.world(), unit.shard_len()]);
             for (p, &off) in unit.params.iter().zip(&unit.offsets) {
@@ -456,13 +466,8 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     fn gather_view<U: Module<B>>(&self, module: U, u: usize, anchor: Option<FloatTensor<B>>) -> U {
         let unit = &self.units[u];
         let shards = collect_shards::<B, U>(&module, &self.param_unit, self.units.len());
-        let flat = Tensor::cat(unit_shards(unit, &shards[u]), 0);
-        let full = B::fsdp_all_gather(
-            flat.into_primitive().tensor(),
-            anchor,
-            unit.comm.clone(),
-            unit.reshard_after_forward,
-        );
+        let parts = unit_shards::<B, _>(unit, &shards[u]);
+        let full = B::fsdp_all_gather(parts, anchor, unit.comm.clone(), unit.reshard_after_forward);
         let gathered = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(full))
             .reshape([self.world(), unit.shard_len()]);
         let mut mapper = Unsharder::<B> { unit, gathered, _b: Default::default() };
@@ -503,22 +508,20 @@ impl<E: burn::tensor::ElementConversion> ElemF64 for E {
     }
 }
 
-/// Flattened shard values of `module`'s parameters, per unit, by id.
+/// The shard values (the parameters' own tensors, any rank) of `module`, per unit, by id.
 fn collect_shards<B: Backend, M: Module<B>>(
     module: &M,
     param_unit: &HashMap<ParamId, usize>,
     n_units: usize,
-) -> Vec<HashMap<ParamId, Tensor<B, 1>>> {
+) -> Vec<HashMap<ParamId, FloatTensor<B>>> {
     struct Collect<'a, B: Backend> {
         param_unit: &'a HashMap<ParamId, usize>,
-        out: Vec<HashMap<ParamId, Tensor<B, 1>>>,
+        out: Vec<HashMap<ParamId, FloatTensor<B>>>,
     }
     impl<B: Backend> ModuleVisitor<B> for Collect<'_, B> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             if let Some(&u) = self.param_unit.get(&param.id) {
-                let v = param.val();
-                let n = v.shape().num_elements();
-                self.out[u].insert(param.id, v.reshape([n]));
+                self.out[u].insert(param.id, param.val().into_primitive().tensor());
             }
         }
     }
@@ -530,8 +533,8 @@ fn collect_shards<B: Backend, M: Module<B>>(
 /// The unit's shards in unit order; a missing one is a bug in how the model runs its units.
 fn unit_shards<B: Backend, I: Backend>(
     unit: &FsdpUnit<I>,
-    shards: &HashMap<ParamId, Tensor<B, 1>>,
-) -> Vec<Tensor<B, 1>> {
+    shards: &HashMap<ParamId, FloatTensor<B>>,
+) -> Vec<FloatTensor<B>> {
     unit.params
         .iter()
         .map(|p| match shards.get(&p.id) {

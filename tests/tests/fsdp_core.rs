@@ -309,3 +309,82 @@ fn reshard_needs_balanced_checkpointing() {
     let ok = FsdpConfig { reshard_after_forward: false, ..FsdpConfig::default() };
     assert!(Fsdp::wrap(Toy::<AB>::new(1, &Default::default()), &mesh, ok).is_ok());
 }
+
+/// A unit with more parameters than the op takes as direct parents (the flat fallback).
+#[derive(burn::module::Module, Debug)]
+struct Wide<B: burn::tensor::backend::Backend> {
+    blocks: Vec<WideBlock<B>>,
+}
+
+#[derive(burn::module::Module, Debug)]
+struct WideBlock<B: burn::tensor::backend::Backend> {
+    ps: Vec<burn::module::Param<Tensor<B, 1>>>,
+}
+
+impl<B: burn::tensor::backend::Backend> Wide<B> {
+    fn new(device: &B::Device) -> Self {
+        let block = |k: usize| WideBlock {
+            ps: (0..burn_fsdp::op::MAX_DIRECT_PARENTS + 9)
+                .map(|i| {
+                    let v: Vec<f32> = (0..5).map(|j| 1.0 + ((i * 5 + j + k) % 7) as f32 * 0.01).collect();
+                    burn::module::Param::from_tensor(Tensor::from_floats(v.as_slice(), device))
+                })
+                .collect(),
+        };
+        Self { blocks: vec![block(0), block(3)] }
+    }
+
+    fn loss<R: burn_fsdp::UnitRunner<B>>(&self, x: Tensor<B, 2>, r: &mut R) -> Tensor<B, 1> {
+        let mut x = x;
+        for b in &self.blocks {
+            x = r.run(b, x, |b, mut x| {
+                for p in &b.ps {
+                    x = (x * p.val().unsqueeze()).tanh() + 0.1;
+                }
+                x
+            });
+        }
+        x.powf_scalar(2.0).mean()
+    }
+}
+
+#[test]
+fn units_with_many_parameters_use_the_flat_fallback_and_still_match() {
+    let device = Default::default();
+    let data = |step: usize| {
+        let v: Vec<f32> = (0..8 * 5).map(|i| ((i * 3 + step) % 11) as f32 / 11.0 - 0.3).collect();
+        Tensor::<FB, 2>::from_data(burn::tensor::TensorData::new(v, [8, 5]), &device)
+    };
+    let mut single = Wide::<AB>::new(&device);
+    let mut adam = ADAM.init();
+    let mut want = Vec::new();
+    for step in 0..3 {
+        let x = Tensor::<AB, 2>::from_data(data(step).into_data(), &device);
+        let loss = single.loss(x, &mut Direct);
+        want.push(loss.clone().into_scalar() as f64);
+        let g = GradientsParams::from_grads(loss.backward(), &single);
+        single = adam.step(single, g);
+    }
+    let got = launch(2, Duration::from_secs(60), |group| {
+        let rank = group.rank();
+        let mesh = DeviceMesh::new_1d(group, device);
+        let mut fsdp = Fsdp::wrap(Wide::<FB>::new(&device), &mesh, FsdpConfig::default())?;
+        let mut adam = ADAM.init();
+        let mut losses = Vec::new();
+        for step in 0..3 {
+            let x = data(step).narrow(0, rank * 4, 4);
+            let loss = fsdp.forward(|m, r| m.loss(x, r));
+            losses.push(fsdp.all_reduce_scalar(
+                loss.clone().into_scalar() as f64,
+                burn_fsdp::ReduceOp::Avg,
+                "l",
+            )?);
+            let g = fsdp.gradients(loss.backward());
+            fsdp.step(&mut adam, g);
+        }
+        Ok::<_, burn_fsdp::FsdpError>(losses)
+    })
+    .unwrap()
+    .remove(0);
+    assert!(max_rel_diff(&got, &want) < 1e-5, "{got:?} vs {want:?}");
+}

@@ -1,0 +1,173 @@
+//! `reshard_after_forward` really frees: live bytes while each unit computes, counted by a
+//! global allocator (this test binary holds only this test, so nothing else allocates).
+#![allow(clippy::unwrap_used)]
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicIsize, Ordering};
+use std::time::Duration;
+
+use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
+use burn::backend::{Autodiff, NdArray};
+use burn::module::Module;
+use burn::tensor::{Int, Tensor};
+use burn_fsdp::{DeviceMesh, Fsdp, FsdpConfig, UnitRunner, launch};
+use qwen3_burn::{Qwen3, Qwen3Config};
+
+type FB = Autodiff<NdArray<f32>, BalancedCheckpointing>;
+
+static CURRENT: AtomicIsize = AtomicIsize::new(0);
+static PEAK: AtomicIsize = AtomicIsize::new(0);
+
+struct Counting;
+
+// SAFETY: every method forwards to `System` with the caller's arguments unchanged, so the
+// GlobalAlloc contract holds exactly as for `System`; the counters are plain atomics.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: same layout as given to us.
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            let now = CURRENT.fetch_add(layout.size() as isize, Ordering::Relaxed) + layout.size() as isize;
+            PEAK.fetch_max(now, Ordering::Relaxed);
+        }
+        p
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` was returned by `alloc`/`realloc` above with this layout.
+        unsafe { System.dealloc(ptr, layout) };
+        CURRENT.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: forwarded unchanged.
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if !p.is_null() {
+            let delta = new_size as isize - layout.size() as isize;
+            let now = CURRENT.fetch_add(delta, Ordering::Relaxed) + delta;
+            PEAK.fetch_max(now, Ordering::Relaxed);
+        }
+        p
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// Records the live bytes when each unit starts computing (its parameters gathered), with
+/// every rank stopped at the same point (barriers before and after the reading).
+struct Probe<'a, R> {
+    inner: &'a mut R,
+    at_entry: &'a Mutex<Vec<isize>>,
+    group: &'a burn_fsdp::LocalGroup,
+}
+
+impl<B: burn::tensor::backend::Backend, R: UnitRunner<B>> UnitRunner<B> for Probe<'_, R> {
+    fn run<M: Module<B>, const D: usize>(
+        &mut self,
+        unit: &M,
+        x: Tensor<B, D>,
+        f: impl FnOnce(&M, Tensor<B, D>) -> Tensor<B, D>,
+    ) -> Tensor<B, D> {
+        let (at_entry, group) = (self.at_entry, self.group);
+        self.inner.run(unit, x, |m, x| {
+            burn_fsdp::ProcessGroup::<NdArray<f32>>::barrier(group, &"probe-in".into()).unwrap();
+            if group.rank() == 0 {
+                at_entry.lock().unwrap().push(CURRENT.load(Ordering::Relaxed));
+            }
+            burn_fsdp::ProcessGroup::<NdArray<f32>>::barrier(group, &"probe-out".into()).unwrap();
+            f(m, x)
+        })
+    }
+}
+
+struct Measured {
+    baseline: isize,
+    max_at_entry: isize,
+    peak: isize,
+    unit_bytes: isize,
+    root_bytes: isize,
+}
+
+fn measure(world: usize, reshard: bool) -> Measured {
+    let config = Qwen3Config {
+        vocab_size: 64,
+        hidden_size: 128,
+        intermediate_size: 512,
+        num_hidden_layers: 4,
+        num_attention_heads: 4,
+        num_key_value_heads: 4,
+        head_dim: 32,
+        max_position_embeddings: 16,
+        rms_norm_eps: 1e-6,
+        rope_theta: 10_000.0,
+        tie_word_embeddings: true,
+    };
+    let weights = config.init::<NdArray<f32>>(&Default::default()).to_hf_tensors();
+    let at_entry = Mutex::new(Vec::new());
+    let baseline = Mutex::new(0isize);
+    let forward_peak = Mutex::new(0isize);
+    let sizes = launch(world, Duration::from_secs(60), |group| {
+        let device = Default::default();
+        let model = Qwen3::<FB>::from_weights(&config, weights.as_slice(), &device).unwrap();
+        let mesh = DeviceMesh::new_1d(group.clone(), device);
+        let fsdp =
+            Fsdp::wrap(model, &mesh, FsdpConfig { reshard_after_forward: reshard, ..FsdpConfig::default() })?;
+        let ids = Tensor::<FB, 2, Int>::from_ints([[1, 2]], &device);
+        // A warm-up step, so that lazily created buffers (thread pools, kernels' scratch) are
+        // in the baseline rather than counted as gathered parameters.
+        let _ = fsdp.forward(|m, r| m.forward_with(ids.clone(), r)).sum().backward();
+        // Everyone has built its shards; take the baseline once all ranks got here.
+        burn_fsdp::ProcessGroup::<NdArray<f32>>::barrier(&*group, &"built".into())?;
+        if group.rank() == 0 {
+            *baseline.lock().unwrap() = CURRENT.load(Ordering::Relaxed);
+            PEAK.store(0, Ordering::Relaxed);
+        }
+        burn_fsdp::ProcessGroup::<NdArray<f32>>::barrier(&*group, &"measure".into())?;
+        let logits = fsdp
+            .forward(|m, r| m.forward_with(ids, &mut Probe { inner: r, at_entry: &at_entry, group: &group }));
+        burn_fsdp::ProcessGroup::<NdArray<f32>>::barrier(&*group, &"forward done".into())?;
+        if group.rank() == 0 {
+            *forward_peak.lock().unwrap() = PEAK.load(Ordering::Relaxed);
+        }
+        let _ = logits.sum().backward();
+        let unit_bytes = 4 * fsdp.units()[1].numel() as isize;
+        let root_bytes = 4 * fsdp.units()[0].numel() as isize;
+        Ok::<_, burn_fsdp::FsdpError>((unit_bytes, root_bytes))
+    })
+    .unwrap();
+    let (unit_bytes, root_bytes) = sizes[0];
+    let baseline = *baseline.lock().unwrap();
+    let max_at_entry = at_entry.lock().unwrap().iter().copied().max().unwrap() - baseline;
+    Measured {
+        baseline,
+        max_at_entry,
+        peak: *forward_peak.lock().unwrap() - baseline,
+        unit_bytes,
+        root_bytes,
+    }
+}
+
+#[test]
+fn reshard_after_forward_keeps_at_most_two_units_gathered() {
+    let world = 2;
+    let with = measure(world, true);
+    let without = measure(world, false);
+    let mib = |b: isize| b as f64 / (1 << 20) as f64;
+    eprintln!(
+        "world {world}, unit {:.2} MiB, root {:.2} MiB, shards (all ranks) {:.2} MiB\n\
+         live above shards while a unit computes: reshard {:.2} MiB, no reshard {:.2} MiB\n\
+         peak above shards during forward (incl. communication staging): reshard {:.2} MiB, no reshard {:.2} MiB",
+        mib(with.unit_bytes),
+        mib(with.root_bytes),
+        mib(with.baseline),
+        mib(with.max_at_entry),
+        mib(without.max_at_entry),
+        mib(with.peak),
+        mib(without.peak),
+    );
+    // Per rank: sharded + the root (never resharded) + 2 × the largest unit.
+    let bound = world as isize * (with.root_bytes + 2 * with.unit_bytes);
+    assert!(with.max_at_entry < bound, "reshard: {} ≥ bound {bound}", with.max_at_entry);
+    // The measurement can fail: without resharding, gathered layers pile up past the bound.
+    assert!(without.max_at_entry > bound, "no reshard: {} ≤ bound {bound}", without.max_at_entry);
+}
