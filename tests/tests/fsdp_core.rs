@@ -169,15 +169,19 @@ fn world_size_one_is_bit_identical_to_no_fsdp() {
 }
 
 fn check_qwen3(reference_name: &str, extra: &[&str]) {
-    let args = train_args("qwen3-tiny-a", extra);
+    check_case("qwen3-tiny-a", reference_name, extra);
+}
+
+fn check_case(case: &str, reference_name: &str, extra: &[&str]) {
+    let args = train_args(case, extra);
     let metrics = xtask::train::run(&args).unwrap();
-    let mut r = reference("qwen3-tiny-a", reference_name);
+    let mut r = reference(case, reference_name);
     r.losses.truncate(metrics.len());
     r.grad_norms.truncate(metrics.len());
     let losses: Vec<f64> = metrics.iter().map(|m| m.loss).collect();
     let norms: Vec<f64> = metrics.iter().map(|m| m.grad_norm).collect();
     let (dl, dn) = (max_rel_diff(&losses, &r.losses), max_rel_diff(&norms, &r.grad_norms));
-    eprintln!("qwen3-tiny-a {extra:?} vs {reference_name}: loss {dl:.3e}, grad norm {dn:.3e}");
+    eprintln!("{case} {extra:?} vs {reference_name}: loss {dl:.3e}, grad norm {dn:.3e}");
     assert!(dl <= 1e-4 && dn <= 1e-4, "{reference_name} {extra:?}: loss {dl:e}, grad norm {dn:e}");
 }
 
@@ -190,6 +194,12 @@ fn qwen3_tiny_a_w4_reproduces_pytorch_fsdp2_and_single() {
 #[test]
 fn qwen3_tiny_a_w4_clip_accum_reproduces_pytorch_fsdp2() {
     check_qwen3("fsdp4_clip_accum", &["--world-size", "4", "--clip", "1.0", "--grad-accum", "2"]);
+}
+
+#[test]
+fn qwen3_tiny_b_untied_w3_and_w4_clip_accum_reproduce_pytorch_fsdp2() {
+    check_case("qwen3-tiny-b", "fsdp3", &["--world-size", "3"]);
+    check_case("qwen3-tiny-b", "fsdp4_clip_accum", &["--world-size", "4", "--clip", "0.5", "--grad-accum", "3"]);
 }
 
 #[test]
