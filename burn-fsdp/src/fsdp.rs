@@ -229,6 +229,19 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
                     .into(),
             ));
         }
+        for (what, dtype) in
+            [("param_dtype", config.mp_policy.param_dtype), ("reduce_dtype", config.mp_policy.reduce_dtype)]
+        {
+            if let Some(dt) = dtype
+                && !B::InnerBackend::supports_dtype(mesh.device(), dt)
+            {
+                return Err(FsdpError::Config(format!(
+                    "mixed precision {what} = {dt:?} is not supported by the backend `{}`; \
+                     use a backend with {dt:?} (e.g. burn's Flex on CPU, CUDA, MetaX)",
+                    B::InnerBackend::name(mesh.device())
+                )));
+            }
+        }
         let described = describe_params::<B, M>(&model);
         if described.is_empty() {
             return Err(FsdpError::Config("the model has no float parameters to shard".into()));
@@ -329,10 +342,11 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     /// Runs a forward pass: all-gathers the root unit, then calls `f` with the gathered root
     /// view and a runner that gathers each further unit when the model runs it.
     ///
-    /// At world size 1 nothing needs gathering: the model runs on its parameters directly,
-    /// so the computation (and its rounding) is exactly that of the unwrapped model.
+    /// At world size 1 (without mixed precision) nothing needs gathering: the model runs on
+    /// its parameters directly, so the computation (and its rounding) is exactly that of the
+    /// unwrapped model.
     pub fn forward<O>(&self, f: impl FnOnce(&M, &mut FsdpRunner<'_, B, M>) -> O) -> O {
-        let root = if self.units[0].params.is_empty() || self.world() == 1 {
+        let root = if self.units[0].params.is_empty() || self.bypass() {
             self.module.clone()
         } else {
             self.gather_view(self.module.clone(), 0, None)
@@ -356,7 +370,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     {
         let sync = self.sync.load(Ordering::SeqCst);
         let current = GradientsParams::from_grads(grads, &self.module);
-        if self.world() > 1 {
+        if !self.bypass() {
             // The gather op kept (or reduced) the full gradients itself.
             return if sync { current } else { GradientsParams::new() };
         }
@@ -445,6 +459,11 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
             }
         }
         Ok(out)
+    }
+
+    /// At world size 1 without a dtype change nothing needs gathering.
+    fn bypass(&self) -> bool {
+        self.world() == 1 && self.config.mp_policy.param_dtype.is_none()
     }
 
     fn unit_of_module<U: Module<B>>(&self, module: &U) -> usize {
@@ -609,7 +628,7 @@ impl<B: FsdpBackend, M: Module<B>> UnitRunner<B> for FsdpRunner<'_, B, M> {
         x: Tensor<B, D>,
         f: impl FnOnce(&U, Tensor<B, D>) -> Tensor<B, D>,
     ) -> Tensor<B, D> {
-        if self.fsdp.world() == 1 {
+        if self.fsdp.bypass() {
             return f(unit, x);
         }
         let u = self.fsdp.unit_of_module(unit);

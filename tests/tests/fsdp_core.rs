@@ -199,7 +199,11 @@ fn qwen3_tiny_a_w4_clip_accum_reproduces_pytorch_fsdp2() {
 #[test]
 fn qwen3_tiny_b_untied_w3_and_w4_clip_accum_reproduce_pytorch_fsdp2() {
     check_case("qwen3-tiny-b", "fsdp3", &["--world-size", "3"]);
-    check_case("qwen3-tiny-b", "fsdp4_clip_accum", &["--world-size", "4", "--clip", "0.5", "--grad-accum", "3"]);
+    check_case(
+        "qwen3-tiny-b",
+        "fsdp4_clip_accum",
+        &["--world-size", "4", "--clip", "0.5", "--grad-accum", "3"],
+    );
 }
 
 #[test]

@@ -6,16 +6,20 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
+use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::Backend as _;
-use burn_fsdp::{AdamWConfig, DeviceMesh, Fsdp, FsdpConfig, ReduceOp, clip_grad_norm, launch};
+use burn::tensor::{DType, ElementConversion};
+use burn_fsdp::{
+    AdamWConfig, DeviceMesh, Fsdp, FsdpConfig, MixedPrecisionPolicy, ReduceOp, clip_grad_norm, launch,
+};
 use qwen3_burn::checkpoint::TensorOut;
 use qwen3_burn::train::{Batches, cross_entropy, inputs_and_labels};
 use qwen3_burn::{Qwen3, Qwen3Config};
 use serde::Serialize;
 
 use crate::data::synthetic_batches;
-use crate::{Backend, FsdpTrainBackend, TrainBackend, device};
+use crate::{Backend, TrainBackend, device};
 
 /// Arguments of `train-qwen3`.
 #[derive(Debug, Clone, clap::Args)]
@@ -72,9 +76,23 @@ pub struct TrainArgs {
     /// Write one JSON object per step to this file.
     #[arg(long)]
     pub metrics: Option<PathBuf>,
+    /// FSDP2 MixedPrecisionPolicy: `bf16` all-gathers and computes in bf16 and reduces
+    /// gradients in fp32, on master fp32 shards (runs on burn's Flex CPU backend, which has
+    /// bf16); `fp32` (the default) changes nothing.
+    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
+    pub mixed_precision: Precision,
     /// Print nothing but errors.
     #[arg(long)]
     pub quiet: bool,
+}
+
+/// `--mixed-precision` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Precision {
+    /// Everything in fp32.
+    Fp32,
+    /// bf16 parameters and compute, fp32 gradient reduction and master weights.
+    Bf16,
 }
 
 fn parse_betas(s: &str) -> std::result::Result<(f64, f64), String> {
@@ -144,6 +162,11 @@ pub fn setup(args: &TrainArgs) -> Result<Setup> {
     }
     if args.grad_accum == 0 {
         bail!("--grad-accum must be at least 1");
+    }
+    if args.no_fsdp && args.mixed_precision != Precision::Fp32 {
+        bail!(
+            "--mixed-precision bf16 is an FSDP policy; use --world-size N (1 is fine) instead of --no-fsdp"
+        );
     }
     if !(args.lr.is_finite() && args.lr >= 0.0) {
         bail!("--lr must be a non-negative number, got {}", args.lr);
@@ -271,8 +294,12 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
             setup.batches.width - 1
         );
     }
-    let metrics =
-        if args.no_fsdp { train_single(args, setup, &sink)? } else { train_fsdp(args, setup, &sink)? };
+    let metrics = match (args.no_fsdp, args.mixed_precision) {
+        (true, _) => train_single(args, setup, &sink)?,
+        (false, Precision::Fp32) => train_fsdp::<Backend>(args, setup, &sink)?,
+        // NdArray has no bf16; burn's Flex CPU backend does.
+        (false, Precision::Bf16) => train_fsdp::<burn::backend::Flex<f32>>(args, setup, &sink)?,
+    };
     if !args.quiet
         && let (Some(first), Some(last)) = (metrics.first(), metrics.last())
     {
@@ -332,19 +359,30 @@ pub fn train_single(args: &TrainArgs, setup: Setup, sink: &MetricsSink) -> Resul
 
 /// FSDP training over `--world-size` in-process ranks (threads), each owning
 /// `rows / world` rows of every step's batch.
-pub fn train_fsdp(args: &TrainArgs, setup: Setup, sink: &MetricsSink) -> Result<Vec<StepMetrics>> {
+pub fn train_fsdp<B: burn::tensor::backend::Backend>(
+    args: &TrainArgs,
+    setup: Setup,
+    sink: &MetricsSink,
+) -> Result<Vec<StepMetrics>> {
+    type Ad<B> = burn::backend::Autodiff<B, BalancedCheckpointing>;
     let world = args.world();
     let Setup { config, model, batches, steps } = setup;
     let rows_per_rank = batches.rows / world;
     let micro = args.grad_accum;
     let rows_per_micro = rows_per_rank / micro;
+    let mp_policy = match args.mixed_precision {
+        Precision::Fp32 => MixedPrecisionPolicy::default(),
+        Precision::Bf16 => {
+            MixedPrecisionPolicy { param_dtype: Some(DType::BF16), reduce_dtype: Some(DType::F32) }
+        }
+    };
     let fsdp_config =
-        FsdpConfig { reshard_after_forward: args.reshard_after_forward, ..FsdpConfig::default() };
+        FsdpConfig { reshard_after_forward: args.reshard_after_forward, mp_policy, ..FsdpConfig::default() };
     let results = launch(world, COLLECTIVE_TIMEOUT, |group| -> Result<Vec<StepMetrics>> {
-        let device = device();
+        let device = B::Device::default();
         let rank = group.rank();
-        let replica = Qwen3::<FsdpTrainBackend>::from_weights(&config, model.as_slice(), &device)?;
-        let mesh = DeviceMesh::new_1d(group, device);
+        let replica = Qwen3::<Ad<B>>::from_weights(&config, model.as_slice(), &device)?;
+        let mesh = DeviceMesh::new_1d(group, device.clone());
         let mut fsdp = Fsdp::wrap(replica, &mesh, fsdp_config.clone())?;
         let mut optim = args.adamw().init();
         let mut out = Vec::with_capacity(steps);
@@ -355,12 +393,11 @@ pub fn train_fsdp(args: &TrainArgs, setup: Setup, sink: &MetricsSink) -> Result<
             for m in 0..micro {
                 fsdp.set_requires_gradient_sync(m + 1 == micro);
                 let first_row = rank * rows_per_rank + m * rows_per_micro;
-                let tokens =
-                    batches.rows::<FsdpTrainBackend>(step, first_row..first_row + rows_per_micro, &device);
+                let tokens = batches.rows::<Ad<B>>(step, first_row..first_row + rows_per_micro, &device);
                 let (inputs, labels) = inputs_and_labels(tokens);
                 let logits = fsdp.forward(|model, runner| model.forward_with(inputs, runner));
                 let loss = cross_entropy(logits, labels).div_scalar(micro as f64);
-                loss_sum += loss.clone().into_scalar() as f64;
+                loss_sum += loss.clone().into_scalar().elem::<f64>();
                 grads = Some(fsdp.gradients(loss.backward()));
             }
             let mut grads = grads.context("no micro-batch ran")?;
