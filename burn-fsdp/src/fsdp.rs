@@ -466,6 +466,28 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         self.world() == 1 && self.config.mp_policy.param_dtype.is_none()
     }
 
+    /// This rank's padded shard of every parameter, flattened to `f32` host values.
+    pub(crate) fn shard_values(&self) -> HashMap<ParamId, Vec<f32>> {
+        let shards = collect_shards::<B, M>(&self.module, &self.param_unit, self.units.len());
+        shards
+            .into_iter()
+            .flatten()
+            .map(|(id, t)| {
+                let t = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::float_reshape(
+                    t.clone(),
+                    burn::tensor::Shape::new([burn::tensor::TensorMetadata::shape(&t).num_elements()]),
+                )));
+                (id, t.inner().into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default())
+            })
+            .collect()
+    }
+
+    /// Replaces the sharded module (checkpoint loading).
+    pub(crate) fn replace_module(&mut self, f: impl FnOnce(M) -> M) {
+        let module = self.module.clone();
+        self.module = f(module);
+    }
+
     fn unit_of_module<U: Module<B>>(&self, module: &U) -> usize {
         let ids = describe_params::<B, U>(module);
         let mut units = ids.iter().filter_map(|(id, ..)| self.param_unit.get(id).copied());

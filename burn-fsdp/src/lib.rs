@@ -15,9 +15,11 @@
 //! hooks), [`fsdp`] (the public API).
 #![warn(missing_docs)]
 
+pub mod checkpoint;
 pub mod collectives;
 pub mod comm;
 pub mod fsdp;
+pub mod io;
 pub mod local;
 pub mod mesh;
 pub mod op;

@@ -90,6 +90,18 @@ pub enum Qwen3Error {
     },
 }
 
+impl From<burn_fsdp::io::IoError> for Qwen3Error {
+    fn from(e: burn_fsdp::io::IoError) -> Self {
+        use burn_fsdp::io::IoError as E;
+        match e {
+            E::Io { path, source } => Qwen3Error::Io { path, source },
+            E::Format { path, msg } => Qwen3Error::Safetensors { path, msg },
+            E::Missing { path, name } => Qwen3Error::MissingTensor { path, name },
+            E::DType { path, name, dtype } => Qwen3Error::DType { path, name, dtype },
+        }
+    }
+}
+
 /// Short for `Result<T, Qwen3Error>`.
 pub type Result<T> = std::result::Result<T, Qwen3Error>;
 

@@ -13,10 +13,12 @@ struct Cli {
 enum Command {
     /// Train Qwen3 (single device with --no-fsdp, or FSDP over in-process ranks).
     #[command(name = "train-qwen3")]
-    TrainQwen3(xtask::train::TrainArgs),
+    TrainQwen3(Box<xtask::train::TrainArgs>),
     /// Write the logits of a checkpoint for the `input_ids` of a safetensors file.
     #[command(name = "qwen3-logits")]
     Qwen3Logits(xtask::logits::LogitsArgs),
+    /// Turn a sharded FSDP checkpoint into one HF checkpoint (config.json + model.safetensors).
+    Consolidate(xtask::consolidate::ConsolidateArgs),
 }
 
 fn main() {
@@ -24,6 +26,7 @@ fn main() {
     let result = match cli.command {
         Command::TrainQwen3(args) => xtask::train::run(&args).map(|_| ()),
         Command::Qwen3Logits(args) => xtask::logits::run(&args),
+        Command::Consolidate(args) => xtask::consolidate::run(&args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

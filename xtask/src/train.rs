@@ -10,10 +10,11 @@ use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::Backend as _;
 use burn::tensor::{DType, ElementConversion};
+use burn_fsdp::checkpoint::{CheckpointIndex, INDEX_FILE, read_index};
 use burn_fsdp::{
     AdamWConfig, DeviceMesh, Fsdp, FsdpConfig, MixedPrecisionPolicy, ReduceOp, clip_grad_norm, launch,
 };
-use qwen3_burn::checkpoint::TensorOut;
+use qwen3_burn::checkpoint::{TensorOut, write_safetensors};
 use qwen3_burn::train::{Batches, cross_entropy, inputs_and_labels};
 use qwen3_burn::{Qwen3, Qwen3Config};
 use serde::Serialize;
@@ -76,6 +77,22 @@ pub struct TrainArgs {
     /// Write one JSON object per step to this file.
     #[arg(long)]
     pub metrics: Option<PathBuf>,
+    /// Save sharded checkpoints (every rank its shards and optimizer state, plus an index)
+    /// under this directory, as `step-NNNNNN/`.
+    #[arg(long)]
+    pub save_dir: Option<PathBuf>,
+    /// Save every K steps (default: once, at the end). Needs --save-dir.
+    #[arg(long, requires = "save_dir")]
+    pub save_every: Option<usize>,
+    /// Resume from a sharded checkpoint (a `step-NNNNNN/` directory, or a --save-dir holding
+    /// several: the latest complete one is used); saved at any world size. Training continues
+    /// at the checkpoint's next step index of --batches.
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// At the end, write the consolidated model as an HF checkpoint (config.json +
+    /// model.safetensors) into this directory.
+    #[arg(long)]
+    pub export: Option<PathBuf>,
     /// FSDP2 MixedPrecisionPolicy: `bf16` all-gathers and computes in bf16 and reduces
     /// gradients in fp32, on master fp32 shards (runs on burn's Flex CPU backend, which has
     /// bf16); `fp32` (the default) changes nothing.
@@ -151,6 +168,8 @@ pub struct Setup {
     pub batches: Batches,
     /// Number of steps to run.
     pub steps: usize,
+    /// Checkpoint to resume from.
+    pub resume: Option<PathBuf>,
 }
 
 /// Loads (or builds) the model and data, validating every flag against them.
@@ -163,6 +182,18 @@ pub fn setup(args: &TrainArgs) -> Result<Setup> {
     if args.grad_accum == 0 {
         bail!("--grad-accum must be at least 1");
     }
+    if args.no_fsdp && (args.save_dir.is_some() || args.resume.is_some()) {
+        bail!(
+            "--save-dir and --resume use sharded FSDP checkpoints; use --world-size N (1 is fine) instead of --no-fsdp"
+        );
+    }
+    if args.save_every == Some(0) {
+        bail!("--save-every must be at least 1");
+    }
+    let resume = match &args.resume {
+        Some(dir) => Some(resolve_checkpoint(dir)?),
+        None => None,
+    };
     if args.no_fsdp && args.mixed_precision != Precision::Fp32 {
         bail!(
             "--mixed-precision bf16 is an FSDP policy; use --world-size N (1 is fine) instead of --no-fsdp"
@@ -179,9 +210,17 @@ pub fn setup(args: &TrainArgs) -> Result<Setup> {
     {
         bail!("--clip must be non-negative, got {c}");
     }
-    let (model, config) = match &args.checkpoint {
-        Some(dir) => Qwen3::<Backend>::load(dir, &device)?,
-        None => {
+    let (model, config) = match (&args.checkpoint, &resume) {
+        (Some(dir), _) => Qwen3::<Backend>::load(dir, &device)?,
+        // Resuming without --checkpoint: the model is the checkpoint's.
+        (None, Some((dir, index))) => {
+            let config: Qwen3Config =
+                serde_json::from_value(index.model_config.clone()).with_context(|| {
+                    format!("{}: model_config is not a Qwen3 config", dir.join("index.json").display())
+                })?;
+            (config.init::<Backend>(&device), config)
+        }
+        (None, None) => {
             let config = Qwen3Config::preset(&args.preset).with_context(|| {
                 format!("--preset `{}` is unknown (tiny, 0.6b, 1.7b, 4b, 8b)", args.preset)
             })?;
@@ -218,6 +257,15 @@ pub fn setup(args: &TrainArgs) -> Result<Setup> {
         }
     };
     let steps = args.steps.unwrap_or(batches.steps);
+    if let Some((dir, index)) = &resume
+        && index.step as usize >= steps
+    {
+        bail!(
+            "--resume {}: the checkpoint is at step {}, nothing left to run with --steps {steps}",
+            dir.display(),
+            index.step
+        );
+    }
     if steps > batches.steps {
         bail!("--steps {steps} exceeds the {} steps of the batches file", batches.steps);
     }
@@ -231,7 +279,34 @@ pub fn setup(args: &TrainArgs) -> Result<Setup> {
             args.grad_accum
         );
     }
-    Ok(Setup { config, model, batches, steps })
+    Ok(Setup { config, model, batches, steps, resume: resume.map(|(dir, _)| dir) })
+}
+
+/// A `--resume` argument: the checkpoint directory itself, or a directory of `step-*/`
+/// checkpoints (the latest complete one).
+pub fn resolve_checkpoint(dir: &std::path::Path) -> Result<(PathBuf, CheckpointIndex)> {
+    if dir.join(INDEX_FILE).is_file() {
+        return Ok((dir.to_path_buf(), read_index(dir)?));
+    }
+    let mut candidates: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("--resume {}: not a checkpoint directory", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("step-"))
+                && p.join(INDEX_FILE).is_file()
+        })
+        .collect();
+    candidates.sort();
+    match candidates.pop() {
+        Some(latest) => {
+            let index = read_index(&latest)?;
+            Ok((latest, index))
+        }
+        None => bail!(
+            "--resume {}: holds neither {INDEX_FILE} nor any complete step-*/ checkpoint",
+            dir.display()
+        ),
+    }
 }
 
 /// Where per-step metrics go: the `--metrics` file and the terminal. Shared by ranks.
@@ -322,7 +397,7 @@ pub const SYNTHETIC_STEPS: usize = 50;
 /// Single-device training: the reference every FSDP run is compared with.
 pub fn train_single(args: &TrainArgs, setup: Setup, sink: &MetricsSink) -> Result<Vec<StepMetrics>> {
     let device = device();
-    let Setup { config, model, batches, steps } = setup;
+    let Setup { config, model, batches, steps, .. } = setup;
     let mut model = Qwen3::<TrainBackend>::from_weights(&config, model.as_slice(), &device)?;
     let mut optim = args.adamw().init();
     let micro = args.grad_accum;
@@ -366,7 +441,8 @@ pub fn train_fsdp<B: burn::tensor::backend::Backend>(
 ) -> Result<Vec<StepMetrics>> {
     type Ad<B> = burn::backend::Autodiff<B, BalancedCheckpointing>;
     let world = args.world();
-    let Setup { config, model, batches, steps } = setup;
+    let Setup { config, model, batches, steps, resume } = setup;
+    let model_config = serde_json::to_value(&config)?;
     let rows_per_rank = batches.rows / world;
     let micro = args.grad_accum;
     let rows_per_micro = rows_per_rank / micro;
@@ -385,8 +461,12 @@ pub fn train_fsdp<B: burn::tensor::backend::Backend>(
         let mesh = DeviceMesh::new_1d(group, device.clone());
         let mut fsdp = Fsdp::wrap(replica, &mesh, fsdp_config.clone())?;
         let mut optim = args.adamw().init();
+        let first_step = match &resume {
+            Some(dir) => fsdp.load_sharded(dir, &mut optim, &model_config)?.step as usize,
+            None => 0,
+        };
         let mut out = Vec::with_capacity(steps);
-        for step in 0..steps {
+        for step in first_step..steps {
             let start = Instant::now();
             let mut loss_sum = 0.0;
             let mut grads = None;
@@ -415,11 +495,50 @@ pub fn train_fsdp<B: burn::tensor::backend::Backend>(
                 sink.emit(&metrics)?;
             }
             out.push(metrics);
+            if let Some(save_dir) = &args.save_dir {
+                let done = step + 1;
+                if args.save_every.map_or(done == steps, |k| done % k == 0 || done == steps) {
+                    let dir = save_dir.join(format!("step-{done:06}"));
+                    fsdp.save_sharded(&dir, &optim, done as u64, &model_config)?;
+                    if rank == 0 && !args.quiet {
+                        println!("saved sharded checkpoint {}", dir.display());
+                    }
+                }
+            }
+        }
+        if let Some(dir) = &args.export {
+            let params = fsdp.full_parameters()?;
+            if rank == 0 {
+                export_hf(&config, params, dir)?;
+                if !args.quiet {
+                    println!("exported HF checkpoint {}", dir.display());
+                }
+            }
         }
         Ok(out)
     })
     .map_err(|e| anyhow::anyhow!("{e}"))?;
     results.into_iter().next().context("no rank ran")
+}
+
+/// Writes full parameters as an HF checkpoint (`config.json` + `model.safetensors`).
+pub fn export_hf(
+    config: &Qwen3Config,
+    params: Vec<(String, Vec<usize>, burn::tensor::TensorData)>,
+    dir: &std::path::Path,
+) -> Result<()> {
+    let tensors = params
+        .into_iter()
+        .map(|(name, shape, data)| {
+            let v = data.convert::<f32>().to_vec::<f32>().map_err(|e| anyhow::anyhow!("{name}: {e:?}"))?;
+            Ok((name, TensorOut::F32(shape, v)))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let meta = std::collections::HashMap::from([("format".to_owned(), "pt".to_owned())]);
+    write_safetensors(dir.join(qwen3_burn::checkpoint::WEIGHTS_FILE), tensors, Some(meta))?;
+    config.save(dir)?;
+    Ok(())
 }
 
 /// Timeout of every collective of in-process training.

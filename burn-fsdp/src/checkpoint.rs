@@ -1,0 +1,433 @@
+//! Sharded checkpoints: every rank writes its own shards and optimizer state; one index.
+//!
+//! Layout of a checkpoint directory:
+//!
+//! ```text
+//! index.json                          global shapes, rows held by each file, step, world
+//!                                     size, model config, optimizer hyper-parameters
+//! rank-00000-of-00004.safetensors     param/<name>, exp_avg/<name>, exp_avg_sq/<name>,
+//! …                                   step/<name>: the rank's rows of each parameter
+//! ```
+//!
+//! Files hold only their rank's rows (no padding), so a checkpoint saved at world size W
+//! loads at any W′: each rank rebuilds its new rows from the files that hold them. Every file
+//! is written under a temporary name and renamed; the index is written last, after all ranks
+//! have finished, and records each file's size: a directory without an index, or whose files
+//! do not match it, never loads. Loading validates everything before touching the model, so
+//! nothing is half-loaded.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use burn::module::{Module, ModuleMapper, Param, ParamId};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Shape, Tensor, TensorData};
+use serde::{Deserialize, Serialize};
+
+use crate::comm::Tag;
+use crate::fsdp::{Fsdp, FsdpError};
+use crate::io::{IoError, SafetensorsFile, TensorOut, io_err, write_atomic, write_safetensors};
+use crate::op::FsdpBackend;
+use crate::optim::{AdamState, AdamW, AdamWConfig};
+use crate::param::ShardedParam;
+
+/// Name of the index file.
+pub const INDEX_FILE: &str = "index.json";
+/// Format tag written into the index.
+pub const FORMAT: &str = "burn-fsdp/sharded-v1";
+
+/// One parameter in the index.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ParamEntry {
+    /// Module path.
+    pub name: String,
+    /// Unsharded shape.
+    pub shape: Vec<usize>,
+    /// Stored dtype.
+    pub dtype: String,
+    /// Unit the parameter belonged to.
+    pub unit: String,
+    /// `[start, end)` rows of dim 0 held by each rank file, in rank order.
+    pub rows: Vec<(usize, usize)>,
+}
+
+/// One rank file in the index.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FileEntry {
+    /// File name inside the checkpoint directory.
+    pub name: String,
+    /// Its size in bytes (a truncated file does not match).
+    pub bytes: u64,
+}
+
+/// The contents of `index.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointIndex {
+    /// Always [`FORMAT`].
+    pub format: String,
+    /// Index of the next training step (the number of steps done).
+    pub step: u64,
+    /// World size the checkpoint was saved at.
+    pub world_size: usize,
+    /// The model's configuration, as given by the caller (compared on load).
+    pub model_config: serde_json::Value,
+    /// Optimizer hyper-parameters: `lr`, `betas`, `eps`, `weight_decay`.
+    pub optimizer: Option<OptimizerEntry>,
+    /// Every parameter.
+    pub params: Vec<ParamEntry>,
+    /// The rank files, in rank order.
+    pub files: Vec<FileEntry>,
+}
+
+/// AdamW hyper-parameters in the index.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct OptimizerEntry {
+    /// Learning rate.
+    pub lr: f64,
+    /// Betas.
+    pub betas: (f64, f64),
+    /// Epsilon.
+    pub eps: f64,
+    /// Weight decay.
+    pub weight_decay: f64,
+}
+
+impl From<AdamWConfig> for OptimizerEntry {
+    fn from(c: AdamWConfig) -> Self {
+        Self { lr: c.lr, betas: c.betas, eps: c.eps, weight_decay: c.weight_decay }
+    }
+}
+
+/// Errors of saving and loading checkpoints; each names the file at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// A file could not be read or written, or is malformed.
+    #[error(transparent)]
+    Io(#[from] IoError),
+    /// The index is missing, malformed, or disagrees with the files or the model.
+    #[error("{path}: {msg}")]
+    Invalid {
+        /// The file at fault.
+        path: PathBuf,
+        /// What is wrong.
+        msg: String,
+    },
+    /// A collective failed while saving or loading.
+    #[error(transparent)]
+    Fsdp(#[from] FsdpError),
+}
+
+fn invalid(path: impl Into<PathBuf>, msg: impl Into<String>) -> CheckpointError {
+    CheckpointError::Invalid { path: path.into(), msg: msg.into() }
+}
+
+/// Name of rank `r`'s file at world size `w`.
+pub fn rank_file(r: usize, w: usize) -> String {
+    format!("rank-{r:05}-of-{w:05}.safetensors")
+}
+
+/// Reads and validates `dir/index.json` and the sizes of the files it lists.
+pub fn read_index(dir: &Path) -> Result<CheckpointIndex, CheckpointError> {
+    let path = dir.join(INDEX_FILE);
+    if !path.is_file() {
+        return Err(invalid(
+            &path,
+            "no index: not a checkpoint directory, or a save that did not finish (the index is written last)",
+        ));
+    }
+    let text = std::fs::read_to_string(&path).map_err(io_err(&path))?;
+    let index: CheckpointIndex =
+        serde_json::from_str(&text).map_err(|e| invalid(&path, format!("malformed index: {e}")))?;
+    if index.format != FORMAT {
+        return Err(invalid(&path, format!("format `{}` is not `{FORMAT}`", index.format)));
+    }
+    if index.files.len() != index.world_size {
+        return Err(invalid(
+            &path,
+            format!("lists {} files for world size {}", index.files.len(), index.world_size),
+        ));
+    }
+    for f in &index.files {
+        let p = dir.join(&f.name);
+        let meta = std::fs::metadata(&p)
+            .map_err(|e| invalid(&p, format!("listed in {INDEX_FILE} but unreadable: {e}")))?;
+        if meta.len() != f.bytes {
+            return Err(invalid(
+                &p,
+                format!("has {} bytes, {INDEX_FILE} says {} (truncated or replaced)", meta.len(), f.bytes),
+            ));
+        }
+    }
+    for p in &index.params {
+        if p.rows.len() != index.world_size || p.shape.is_empty() {
+            return Err(invalid(&path, format!("entry of `{}` is inconsistent", p.name)));
+        }
+    }
+    Ok(index)
+}
+
+/// A checkpoint's files opened for reading full parameters.
+pub struct CheckpointReader {
+    dir: PathBuf,
+    index: CheckpointIndex,
+    files: Vec<SafetensorsFile>,
+}
+
+impl CheckpointReader {
+    /// Opens and validates a checkpoint directory.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Self, CheckpointError> {
+        let dir = dir.as_ref().to_path_buf();
+        let index = read_index(&dir)?;
+        let files = index
+            .files
+            .iter()
+            .map(|f| SafetensorsFile::open(dir.join(&f.name)))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self { dir, index, files })
+    }
+
+    /// The index.
+    pub fn index(&self) -> &CheckpointIndex {
+        &self.index
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The full (unsharded) values of `prefix/<name>`, concatenated from every rank file.
+    pub fn full(&self, prefix: &str, entry: &ParamEntry) -> Result<Vec<f32>, CheckpointError> {
+        let row = entry.shape[1..].iter().product::<usize>();
+        let mut out = Vec::with_capacity(entry.shape.iter().product());
+        for (file, &(start, end)) in self.files.iter().zip(&entry.rows) {
+            let name = format!("{prefix}/{}", entry.name);
+            let (values, shape) = file.read_f32(&name)?;
+            let mut want = entry.shape.clone();
+            want[0] = end - start;
+            if shape != want || values.len() != (end - start) * row {
+                return Err(invalid(
+                    file.path(),
+                    format!("tensor `{name}` has shape {shape:?}, the index says {want:?}"),
+                ));
+            }
+            out.extend_from_slice(&values);
+        }
+        Ok(out)
+    }
+
+    /// Optimizer step count of `name`, if optimizer state was saved.
+    pub fn step_of(&self, entry: &ParamEntry) -> Result<Option<u64>, CheckpointError> {
+        let name = format!("step/{}", entry.name);
+        match self.files[0].read_i64(&name) {
+            Ok((v, _)) => Ok(v.first().map(|&s| s as u64)),
+            Err(IoError::Missing { .. }) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Every parameter, unsharded: `(name, shape, values)` (a consolidated export).
+    pub fn full_parameters(&self) -> Result<Vec<FullParam>, CheckpointError> {
+        self.index
+            .params
+            .iter()
+            .map(|p| Ok((p.name.clone(), p.shape.clone(), self.full("param", p)?)))
+            .collect()
+    }
+}
+
+/// One unsharded parameter: `(name, shape, values)`.
+pub type FullParam = (String, Vec<usize>, Vec<f32>);
+
+/// Unpadded rows of a flat padded shard, as `(shape, values)`.
+fn unpadded(p: &ShardedParam, rank: usize, flat: Vec<f32>) -> (Vec<usize>, Vec<f32>) {
+    let rows = p.rows_of(rank).len();
+    let mut shape = p.global_shape.clone();
+    shape[0] = rows;
+    let mut v = flat;
+    v.truncate(rows * p.row_numel());
+    (shape, v)
+}
+
+fn to_f32<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default()
+}
+
+/// Builds rank `rank`'s padded shard (flattened) of a full parameter.
+fn shard_values(p: &ShardedParam, rank: usize, full: &[f32]) -> Vec<f32> {
+    let row = p.row_numel();
+    let rows = p.rows_of(rank);
+    let mut v = full[rows.start * row..rows.end * row].to_vec();
+    v.resize(p.shard_numel(), 0.0);
+    v
+}
+
+impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
+    /// Saves this rank's shards and `optim`'s state into `dir` (every rank calls this).
+    ///
+    /// `step` is the index of the next training step; `model_config` is stored and compared
+    /// when loading. Rank 0 writes the index last, once every rank's file is in place.
+    pub fn save_sharded(
+        &self,
+        dir: impl AsRef<Path>,
+        optim: &AdamW<B::InnerBackend>,
+        step: u64,
+        model_config: &serde_json::Value,
+    ) -> Result<(), CheckpointError> {
+        let dir = dir.as_ref();
+        let (rank, world) = (self.rank(), self.world());
+        let group = self.mesh().group_at(0);
+        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+        if rank == 0 {
+            // An older index in this directory must not validate the files about to change.
+            let old = dir.join(INDEX_FILE);
+            if old.exists() {
+                std::fs::remove_file(&old).map_err(io_err(&old))?;
+            }
+        }
+        group.barrier(&Tag::new("checkpoint:begin")).map_err(FsdpError::from)?;
+        let shards = self.shard_values();
+        let mut tensors = Vec::new();
+        for unit in self.units() {
+            for p in &unit.params {
+                let Some(values) = shards.get(&p.id) else { continue };
+                let (shape, v) = unpadded(p, rank, values.clone());
+                tensors.push((format!("param/{}", p.path), TensorOut::F32(shape, v)));
+                if let Some(s) = optim.state(&p.id) {
+                    let (shape, m) = unpadded(p, rank, to_f32(s.exp_avg.clone()));
+                    let (_, v) = unpadded(p, rank, to_f32(s.exp_avg_sq.clone()));
+                    tensors.push((format!("exp_avg/{}", p.path), TensorOut::F32(shape.clone(), m)));
+                    tensors.push((format!("exp_avg_sq/{}", p.path), TensorOut::F32(shape, v)));
+                    tensors.push((format!("step/{}", p.path), TensorOut::I64(vec![1], vec![s.step as i64])));
+                }
+            }
+        }
+        write_safetensors(dir.join(rank_file(rank, world)), tensors, None)?;
+        group.barrier(&Tag::new("checkpoint:files-written")).map_err(FsdpError::from)?;
+        if rank == 0 {
+            let params = self
+                .units()
+                .iter()
+                .flat_map(|u| {
+                    u.params.iter().map(|p| ParamEntry {
+                        name: p.path.clone(),
+                        shape: p.global_shape.clone(),
+                        dtype: "F32".into(),
+                        unit: u.name.clone(),
+                        rows: (0..world).map(|r| (p.rows_of(r).start, p.rows_of(r).end)).collect(),
+                    })
+                })
+                .collect();
+            let files = (0..world)
+                .map(|r| {
+                    let name = rank_file(r, world);
+                    let p = dir.join(&name);
+                    let bytes = std::fs::metadata(&p).map_err(io_err(&p))?.len();
+                    Ok(FileEntry { name, bytes })
+                })
+                .collect::<Result<Vec<_>, IoError>>()?;
+            let index = CheckpointIndex {
+                format: FORMAT.into(),
+                step,
+                world_size: world,
+                model_config: model_config.clone(),
+                optimizer: Some((*optim.config()).into()),
+                params,
+                files,
+            };
+            let json = serde_json::to_string_pretty(&index)
+                .map_err(|e| invalid(dir.join(INDEX_FILE), e.to_string()))?;
+            write_atomic(&dir.join(INDEX_FILE), json.as_bytes())?;
+        }
+        group.barrier(&Tag::new("checkpoint:done")).map_err(FsdpError::from)?;
+        Ok(())
+    }
+
+    /// Loads a checkpoint saved at any world size into this rank's shards and `optim`.
+    ///
+    /// Fails (changing nothing) when the model config, parameter names or shapes differ, or a
+    /// file is missing, truncated or inconsistent with the index. Returns the index.
+    pub fn load_sharded(
+        &mut self,
+        dir: impl AsRef<Path>,
+        optim: &mut AdamW<B::InnerBackend>,
+        model_config: &serde_json::Value,
+    ) -> Result<CheckpointIndex, CheckpointError> {
+        let reader = CheckpointReader::open(dir.as_ref())?;
+        let index_path = reader.dir().join(INDEX_FILE);
+        let index = reader.index().clone();
+        if &index.model_config != model_config {
+            return Err(invalid(
+                &index_path,
+                format!(
+                    "saved for a different model config:\n  saved:   {}\n  current: {model_config}",
+                    index.model_config
+                ),
+            ));
+        }
+        let entries: HashMap<&str, &ParamEntry> = index.params.iter().map(|p| (p.name.as_str(), p)).collect();
+        let ours: Vec<&ShardedParam> = self.units().iter().flat_map(|u| u.params.iter()).collect();
+        if ours.len() != index.params.len() {
+            return Err(invalid(
+                &index_path,
+                format!("holds {} parameters, the model has {}", index.params.len(), ours.len()),
+            ));
+        }
+        let rank = self.rank();
+        let device = self.mesh().device().clone();
+        // Read and check everything first.
+        let mut values: HashMap<ParamId, Vec<f32>> = HashMap::new();
+        let mut states: Vec<(ParamId, AdamState<B::InnerBackend>)> = Vec::new();
+        for p in ours {
+            let Some(e) = entries.get(p.path.as_str()) else {
+                return Err(invalid(&index_path, format!("has no parameter `{}`", p.path)));
+            };
+            if e.shape != p.global_shape {
+                return Err(invalid(
+                    &index_path,
+                    format!("parameter `{}` has shape {:?}, the model {:?}", p.path, e.shape, p.global_shape),
+                ));
+            }
+            values.insert(p.id, shard_values(p, rank, &reader.full("param", e)?));
+            if let Some(step) = reader.step_of(e)? {
+                let flat = |v: Vec<f32>| {
+                    let n = v.len();
+                    Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(v, [n]), &device)
+                };
+                let m = shard_values(p, rank, &reader.full("exp_avg", e)?);
+                let v = shard_values(p, rank, &reader.full("exp_avg_sq", e)?);
+                states.push((p.id, AdamState { step, exp_avg: flat(m), exp_avg_sq: flat(v) }));
+            }
+        }
+        // Then apply.
+        let shapes: HashMap<ParamId, Vec<usize>> =
+            self.units().iter().flat_map(|u| u.params.iter().map(|p| (p.id, p.shard_shape()))).collect();
+        let mut loader = ShardLoader::<B> { values, shapes, _b: Default::default() };
+        self.replace_module(|m| m.map(&mut loader));
+        for (id, s) in states {
+            optim.set_state(id, s);
+        }
+        Ok(index)
+    }
+}
+
+struct ShardLoader<B: Backend> {
+    values: HashMap<ParamId, Vec<f32>>,
+    shapes: HashMap<ParamId, Vec<usize>>,
+    _b: std::marker::PhantomData<B>,
+}
+
+impl<B: FsdpBackend> ModuleMapper<B> for ShardLoader<B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let (Some(v), Some(shape)) = (self.values.remove(&id), self.shapes.get(&id)) else {
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
+        let require_grad = tensor.is_require_grad();
+        let dtype = tensor.dtype();
+        let t = Tensor::<B, D>::from_data(TensorData::new(v, Shape::from(shape.clone())), &tensor.device())
+            .cast(dtype);
+        let t = if require_grad { t.require_grad() } else { t };
+        Param::from_mapped_value(id, t, mapper)
+    }
+}

@@ -1,0 +1,209 @@
+//! Safetensors files in and out: read (with dtype conversion), write atomically.
+//!
+//! Shared by the sharded checkpoints of this crate and the HF checkpoints of model crates.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use safetensors::{Dtype, SafeTensors};
+
+/// A file that could not be read, parsed or written. Every variant names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum IoError {
+    /// The file system refused.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not valid safetensors (malformed or truncated).
+    #[error("{path}: not a valid safetensors file: {msg}")]
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message.
+        msg: String,
+    },
+    /// A tensor is missing.
+    #[error("{path}: missing tensor `{name}`")]
+    Missing {
+        /// The file.
+        path: PathBuf,
+        /// The tensor.
+        name: String,
+    },
+    /// A tensor has a dtype that cannot be converted as asked.
+    #[error("{path}: tensor `{name}` has dtype {dtype}")]
+    DType {
+        /// The file.
+        path: PathBuf,
+        /// The tensor.
+        name: String,
+        /// What was found (and expected).
+        dtype: String,
+    },
+}
+
+/// `map_err` helper naming the file of an I/O error.
+pub fn io_err(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> IoError {
+    let path = path.into();
+    move |source| IoError::Io { path, source }
+}
+
+/// A safetensors file read into memory.
+pub struct SafetensorsFile {
+    path: PathBuf,
+    bytes: Vec<u8>,
+}
+
+impl SafetensorsFile {
+    /// Reads and checks the header of `path`; a truncated or malformed file is an error.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, IoError> {
+        let path = path.as_ref().to_path_buf();
+        let bytes = std::fs::read(&path).map_err(io_err(&path))?;
+        let file = Self { path, bytes };
+        file.parse()?;
+        Ok(file)
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn parse(&self) -> Result<SafeTensors<'_>, IoError> {
+        SafeTensors::deserialize(&self.bytes)
+            .map_err(|e| IoError::Format { path: self.path.clone(), msg: e.to_string() })
+    }
+
+    /// Names of all tensors in the file.
+    pub fn names(&self) -> Result<Vec<String>, IoError> {
+        Ok(self.parse()?.names().into_iter().map(str::to_owned).collect())
+    }
+
+    /// Shape and dtype of tensor `name`.
+    pub fn info(&self, name: &str) -> Result<(Vec<usize>, Dtype), IoError> {
+        let st = self.parse()?;
+        let view = st.tensor(name).map_err(|_| self.missing(name))?;
+        Ok((view.shape().to_vec(), view.dtype()))
+    }
+
+    fn missing(&self, name: &str) -> IoError {
+        IoError::Missing { path: self.path.clone(), name: name.to_owned() }
+    }
+
+    /// Tensor `name` converted to `f32` (from f32, f64, bf16 or f16), with its shape.
+    pub fn read_f32(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>), IoError> {
+        let st = self.parse()?;
+        let view = st.tensor(name).map_err(|_| self.missing(name))?;
+        let data = view.data();
+        let values = match view.dtype() {
+            Dtype::F32 => {
+                data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+            }
+            Dtype::F64 => data
+                .chunks_exact(8)
+                .map(|b| f64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as f32)
+                .collect(),
+            Dtype::BF16 => {
+                data.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+            }
+            Dtype::F16 => {
+                data.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+            }
+            other => {
+                return Err(IoError::DType {
+                    path: self.path.clone(),
+                    name: name.to_owned(),
+                    dtype: format!("{other:?}"),
+                });
+            }
+        };
+        Ok((values, view.shape().to_vec()))
+    }
+
+    /// Tensor `name` as `i64` (from i64, i32, u32, u16 or u8), with its shape.
+    pub fn read_i64(&self, name: &str) -> Result<(Vec<i64>, Vec<usize>), IoError> {
+        let st = self.parse()?;
+        let view = st.tensor(name).map_err(|_| self.missing(name))?;
+        let data = view.data();
+        let values = match view.dtype() {
+            Dtype::I64 => {
+                data.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap_or([0; 8]))).collect()
+            }
+            Dtype::I32 => {
+                data.chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64).collect()
+            }
+            Dtype::U32 => {
+                data.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64).collect()
+            }
+            Dtype::U16 => data.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]]) as i64).collect(),
+            Dtype::U8 => data.iter().map(|&b| b as i64).collect(),
+            other => {
+                return Err(IoError::DType {
+                    path: self.path.clone(),
+                    name: name.to_owned(),
+                    dtype: format!("{other:?} (expected an integer type)"),
+                });
+            }
+        };
+        Ok((values, view.shape().to_vec()))
+    }
+}
+
+/// One tensor to write: name, shape and either `f32` or `i64` values.
+#[derive(Debug, Clone)]
+pub enum TensorOut {
+    /// 32-bit floats.
+    F32(Vec<usize>, Vec<f32>),
+    /// 64-bit integers.
+    I64(Vec<usize>, Vec<i64>),
+}
+
+/// Writes `tensors` to a safetensors file, atomically: the data goes to a temporary file in the
+/// same directory, which is then renamed, so a crash never leaves a half-written file under
+/// `path`.
+pub fn write_safetensors(
+    path: impl AsRef<Path>,
+    tensors: Vec<(String, TensorOut)>,
+    metadata: Option<HashMap<String, String>>,
+) -> Result<(), IoError> {
+    let path = path.as_ref();
+    let bytes: Vec<(String, Vec<u8>, Vec<usize>, Dtype)> = tensors
+        .into_iter()
+        .map(|(name, t)| match t {
+            TensorOut::F32(shape, v) => {
+                (name, v.iter().flat_map(|x| x.to_le_bytes()).collect(), shape, Dtype::F32)
+            }
+            TensorOut::I64(shape, v) => {
+                (name, v.iter().flat_map(|x| x.to_le_bytes()).collect(), shape, Dtype::I64)
+            }
+        })
+        .collect();
+    let mut views = Vec::with_capacity(bytes.len());
+    for (name, data, shape, dtype) in &bytes {
+        let view = safetensors::tensor::TensorView::new(*dtype, shape.clone(), data)
+            .map_err(|e| IoError::Format { path: path.to_path_buf(), msg: format!("{name}: {e}") })?;
+        views.push((name.clone(), view));
+    }
+    let buf = safetensors::serialize(views, metadata)
+        .map_err(|e| IoError::Format { path: path.to_path_buf(), msg: e.to_string() })?;
+    write_atomic(path, &buf)
+}
+
+/// Writes `bytes` to `path` through a temporary file and a rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), IoError> {
+    use std::io::Write;
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    let file_name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = dir.join(format!(".{file_name}.{}.tmp", std::process::id()));
+    let mut f = std::fs::File::create(&tmp).map_err(io_err(&tmp))?;
+    f.write_all(bytes).map_err(io_err(&tmp))?;
+    f.sync_all().map_err(io_err(&tmp))?;
+    drop(f);
+    std::fs::rename(&tmp, path).map_err(io_err(path))
+}
