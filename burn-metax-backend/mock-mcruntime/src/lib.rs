@@ -1,0 +1,1063 @@
+//! A mock of the MACA runtime (`libmcruntime.so`) and its run-time compiler, for tests.
+//!
+//! * Device memory is host memory (filled with `0xCD`, since real allocations are not zeroed).
+//! * Work queued on a stream is **deferred**: it runs only when something waits for it
+//!   (stream/event/device synchronisation, a blocking copy on the legacy default stream, or a
+//!   stream waiting on an event). This makes ordering bugs observable: a blocking `mcMemcpy`
+//!   does not wait for non-blocking streams, exactly as on the real device.
+//! * The legacy default stream (null) orders itself against blocking streams, not against
+//!   streams created with `mcStreamNonBlocking`. Each calling thread has its own default stream
+//!   and device-wide synchronisation covers the calling thread's streams only, so that parallel
+//!   tests cannot run each other's deferred work.
+//! * `mcrtc*` "compiles" C++ source by listing its `__global__` functions into an image that
+//!   `mcModuleLoadData` accepts; a source containing `#error` fails with
+//!   `MCRTC_ERROR_COMPILATION` and the offending line in the log.
+//! * Launches are validated and recorded; kernels do nothing.
+//! * Errors can be injected per thread with `mcmockInjectError`, or for the whole process with
+//!   `MCMOCK_INJECT=symbol=code[,symbol=code…]`.
+//! * `MCMOCK_DEVICE_COUNT` sets the number of devices (default 1).
+//!
+//! Control and inspection functions are exported with the `mcmock` prefix.
+#![allow(non_snake_case)]
+#![allow(clippy::missing_safety_doc)]
+
+use std::cell::{Cell, RefCell};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::thread::ThreadId;
+use std::time::Instant;
+
+// ---- status codes (mcError_t) -------------------------------------------------------------------
+const SUCCESS: c_int = 0;
+const INVALID_VALUE: c_int = 1;
+const INVALID_CONFIGURATION: c_int = 9;
+const INVALID_MEMCPY_DIRECTION: c_int = 21;
+const INVALID_DEVICE: c_int = 101;
+const INVALID_KERNEL_IMAGE: c_int = 200;
+const INVALID_HANDLE: c_int = 400;
+const SYMBOL_NOT_FOUND: c_int = 500;
+const NOT_READY: c_int = 600;
+
+const RTC_SUCCESS: c_int = 0;
+const RTC_INVALID_INPUT: c_int = 3;
+const RTC_INVALID_PROGRAM: c_int = 4;
+const RTC_COMPILATION: c_int = 6;
+
+const IMAGE_MAGIC: &[u8; 8] = b"MCMOCK01";
+const TOTAL_MEMORY: usize = 64 << 30;
+
+// ---- state ----------------------------------------------------------------------------------------
+
+enum Op {
+    Copy { dst: usize, src: usize, len: usize },
+    Wait { stream: usize, seq: u64 },
+    Mark { event: usize },
+    Launch,
+    Free { addr: usize },
+}
+
+#[derive(Default)]
+struct Stream {
+    queue: VecDeque<(u64, Op)>,
+    next_seq: u64,
+    done: u64,
+    non_blocking: bool,
+    launches_run: u64,
+    owner: Option<ThreadId>,
+}
+
+impl Stream {
+    fn tail(&self) -> u64 {
+        self.next_seq
+    }
+}
+
+struct Event {
+    recorded: Option<(usize, u64)>,
+    time: Option<Instant>,
+    timing: bool,
+}
+
+struct Program {
+    source: String,
+    log: String,
+    image: Option<Vec<u8>>,
+}
+
+#[derive(Default)]
+struct State {
+    device_mem: BTreeMap<usize, (Box<[u8]>, ThreadId)>,
+    host_mem: HashMap<usize, Box<[u8]>>,
+    streams: HashMap<usize, Stream>,
+    events: HashMap<usize, Event>,
+    modules: HashMap<usize, Vec<String>>,
+    functions: HashMap<usize, (usize, String)>,
+    programs: HashMap<usize, Program>,
+}
+
+static STATE: Mutex<Option<State>> = Mutex::new(None);
+static NEXT_HANDLE: AtomicUsize = AtomicUsize::new(0x1000);
+static TOTAL_LAUNCHES: AtomicU64 = AtomicU64::new(0);
+
+fn state() -> MutexGuard<'static, Option<State>> {
+    let mut guard = STATE.lock().unwrap_or_else(|e| e.into_inner());
+    if guard.is_none() {
+        *guard = Some(State::default());
+    }
+    guard
+}
+
+macro_rules! with_state {
+    (|$s:ident| $body:expr) => {{
+        let mut guard = state();
+        match guard.as_mut() {
+            Some($s) => $body,
+            None => INVALID_VALUE,
+        }
+    }};
+}
+
+fn new_handle() -> usize {
+    NEXT_HANDLE.fetch_add(0x10, Ordering::Relaxed)
+}
+
+/// A recorded kernel launch (see `mcmockLastLaunch`).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct MockLaunch {
+    pub grid: [c_uint; 3],
+    pub block: [c_uint; 3],
+    pub shared_memory: c_uint,
+    pub stream: usize,
+    pub function: usize,
+}
+
+struct Injection {
+    symbol: String,
+    code: c_int,
+    skip: u32,
+    remaining: Option<u32>,
+}
+
+thread_local! {
+    static CURRENT_DEVICE: Cell<c_int> = const { Cell::new(0) };
+    static DEFAULT_STREAM: Cell<usize> = const { Cell::new(0) };
+    static INJECTIONS: RefCell<Vec<Injection>> = const { RefCell::new(Vec::new()) };
+    static LAUNCHES: RefCell<Vec<MockLaunch>> = const { RefCell::new(Vec::new()) };
+    static COMPILES: RefCell<Vec<String>> = const { RefCell::new(Vec::new()) };
+}
+
+fn env_injections() -> &'static Vec<(String, c_int)> {
+    static ENV: OnceLock<Vec<(String, c_int)>> = OnceLock::new();
+    ENV.get_or_init(|| {
+        std::env::var("MCMOCK_INJECT")
+            .unwrap_or_default()
+            .split(',')
+            .filter_map(|item| {
+                let (symbol, code) = item.split_once('=')?;
+                Some((symbol.trim().to_string(), code.trim().parse().ok()?))
+            })
+            .collect()
+    })
+}
+
+/// The injected status for a call of `symbol`, if any.
+fn injected(symbol: &str) -> Option<c_int> {
+    if let Some((_, code)) = env_injections().iter().find(|(s, _)| s == symbol) {
+        return Some(*code);
+    }
+    INJECTIONS.with(|list| {
+        let mut list = list.borrow_mut();
+        let index = list.iter().position(|i| i.symbol == symbol)?;
+        let injection = &mut list[index];
+        if injection.skip > 0 {
+            injection.skip -= 1;
+            return None;
+        }
+        let code = injection.code;
+        if let Some(remaining) = injection.remaining.as_mut() {
+            *remaining -= 1;
+            if *remaining == 0 {
+                list.remove(index);
+            }
+        }
+        Some(code)
+    })
+}
+
+macro_rules! inject {
+    ($name:literal) => {
+        if let Some(code) = injected($name) {
+            return code;
+        }
+    };
+}
+
+fn device_count() -> c_int {
+    std::env::var("MCMOCK_DEVICE_COUNT").ok().and_then(|v| v.parse().ok()).unwrap_or(1)
+}
+
+// ---- deferred execution ---------------------------------------------------------------------------
+
+fn me() -> Option<ThreadId> {
+    Some(std::thread::current().id())
+}
+
+impl State {
+    /// Maps the null handle to the calling thread's legacy default stream. Each thread has its
+    /// own (a mock simplification that keeps parallel tests independent: device-wide
+    /// synchronisation and default-stream ordering only involve the calling thread's streams).
+    fn resolve(&mut self, stream: usize) -> usize {
+        if stream != 0 {
+            return stream;
+        }
+        let id = DEFAULT_STREAM.with(Cell::get);
+        if id != 0 && self.streams.contains_key(&id) {
+            return id;
+        }
+        let id = new_handle();
+        self.streams.insert(id, Stream { owner: me(), ..Stream::default() });
+        DEFAULT_STREAM.with(|c| c.set(id));
+        id
+    }
+
+    /// Whether `[addr, addr+len)` lies inside one device allocation.
+    fn in_device_range(&self, addr: usize, len: usize) -> bool {
+        match self.device_mem.range(..=addr).next_back() {
+            Some((&base, (mem, _))) => addr + len <= base + mem.len(),
+            None => false,
+        }
+    }
+
+    /// Appends `op` to `stream`, adding the legacy default-stream ordering edges.
+    fn enqueue(&mut self, stream: usize, op: Op) -> Result<u64, c_int> {
+        let default_id = self.resolve(0);
+        let stream = self.resolve(stream);
+        if !self.streams.contains_key(&stream) {
+            return Err(INVALID_HANDLE);
+        }
+        let mut edges = Vec::new();
+        if stream == default_id {
+            for (&id, s) in &self.streams {
+                if id != default_id && s.owner == me() && !s.non_blocking && s.tail() > s.done {
+                    edges.push(Op::Wait { stream: id, seq: s.tail() });
+                }
+            }
+        } else if self.streams.get(&stream).is_some_and(|s| !s.non_blocking) {
+            let default = &self.streams[&default_id];
+            if default.tail() > default.done {
+                edges.push(Op::Wait { stream: default_id, seq: default.tail() });
+            }
+        }
+        let Some(s) = self.streams.get_mut(&stream) else { return Err(INVALID_HANDLE) };
+        for op in edges.into_iter().chain(std::iter::once(op)) {
+            s.next_seq += 1;
+            s.queue.push_back((s.next_seq, op));
+        }
+        Ok(s.next_seq)
+    }
+
+    /// Runs `stream`'s queued work up to and including sequence number `upto`.
+    fn flush(&mut self, stream: usize, upto: u64) {
+        loop {
+            let Some(s) = self.streams.get_mut(&stream) else { return };
+            match s.queue.front() {
+                Some((seq, _)) if *seq <= upto => {}
+                _ => return,
+            }
+            let Some((seq, op)) = s.queue.pop_front() else { return };
+            match op {
+                Op::Copy { dst, src, len } => {
+                    // SAFETY: both ranges were validated at enqueue time (device side) or are
+                    // guaranteed live by the caller of the async copy (host side).
+                    unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len) }
+                }
+                Op::Wait { stream: other, seq } => self.flush(other, seq),
+                Op::Mark { event } => {
+                    if let Some(e) = self.events.get_mut(&event) {
+                        e.time = Some(Instant::now());
+                    }
+                }
+                Op::Launch => {
+                    if let Some(s) = self.streams.get_mut(&stream) {
+                        s.launches_run += 1;
+                    }
+                }
+                Op::Free { addr } => {
+                    self.device_mem.remove(&addr);
+                }
+            }
+            if let Some(s) = self.streams.get_mut(&stream) {
+                s.done = seq;
+            }
+        }
+    }
+
+    /// Device-wide synchronisation (of the calling thread's streams, see [`State::resolve`]).
+    fn flush_all(&mut self) {
+        let ids: Vec<(usize, u64)> =
+            self.streams.iter().filter(|(_, s)| s.owner == me()).map(|(&id, s)| (id, s.tail())).collect();
+        for (id, tail) in ids {
+            self.flush(id, tail);
+        }
+    }
+
+    fn flush_stream(&mut self, stream: usize) -> c_int {
+        let stream = self.resolve(stream);
+        let Some(tail) = self.streams.get(&stream).map(Stream::tail) else { return INVALID_HANDLE };
+        self.flush(stream, tail);
+        SUCCESS
+    }
+}
+
+// ---- devices ---------------------------------------------------------------------------------------
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcGetDeviceCount(count: *mut c_int) -> c_int {
+    inject!("mcGetDeviceCount");
+    if count.is_null() {
+        return INVALID_VALUE;
+    }
+    // SAFETY: checked non-null; the caller passes a writable int.
+    unsafe { *count = device_count() };
+    SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcSetDevice(device: c_int) -> c_int {
+    inject!("mcSetDevice");
+    if device < 0 || device >= device_count() {
+        return INVALID_DEVICE;
+    }
+    CURRENT_DEVICE.with(|c| c.set(device));
+    SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcDeviceGetAttribute(value: *mut c_int, attribute: c_int, device: c_int) -> c_int {
+    inject!("mcDeviceGetAttribute");
+    if value.is_null() {
+        return INVALID_VALUE;
+    }
+    if device < 0 || device >= device_count() {
+        return INVALID_DEVICE;
+    }
+    let v = match attribute {
+        0 => 1024,      // max threads per block
+        1..=3 => 1024,  // max block dims
+        4 => i32::MAX,  // max grid x
+        5 | 6 => 65535, // max grid y, z
+        7 => 64 * 1024, // shared memory per block
+        9 | 10 => 64,   // warp / wave size
+        16 => 104,      // multiprocessors
+        21 => 10,       // compute capability major
+        22 => 0,        // compute capability minor
+        _ => 0,
+    };
+    // SAFETY: checked non-null.
+    unsafe { *value = v };
+    SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcDeviceGetName(name: *mut c_char, len: c_int, device: c_int) -> c_int {
+    inject!("mcDeviceGetName");
+    if name.is_null() || len <= 0 {
+        return INVALID_VALUE;
+    }
+    if device < 0 || device >= device_count() {
+        return INVALID_DEVICE;
+    }
+    let text = b"MetaX Mock C500\0";
+    let n = text.len().min(len as usize);
+    // SAFETY: the caller provides `len` writable bytes; at most that many are written.
+    unsafe {
+        std::ptr::copy_nonoverlapping(text.as_ptr().cast(), name, n);
+        *name.add(n - 1) = 0;
+    }
+    SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcDeviceSynchronize() -> c_int {
+    inject!("mcDeviceSynchronize");
+    with_state!(|s| {
+        s.flush_all();
+        SUCCESS
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcMemGetInfo(free: *mut usize, total: *mut usize) -> c_int {
+    inject!("mcMemGetInfo");
+    if free.is_null() || total.is_null() {
+        return INVALID_VALUE;
+    }
+    with_state!(|s| {
+        let used: usize = s.device_mem.values().map(|(m, _)| m.len()).sum();
+        // SAFETY: checked non-null.
+        unsafe {
+            *free = TOTAL_MEMORY.saturating_sub(used);
+            *total = TOTAL_MEMORY;
+        }
+        SUCCESS
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcGetErrorName(code: c_int) -> *const c_char {
+    let name: &'static CStr = match code {
+        0 => c"mcSuccess",
+        1 => c"mcErrorInvalidValue",
+        2 => c"mcErrorMemoryAllocation",
+        400 => c"mcErrorInvalidResourceHandle",
+        700 => c"mcErrorIllegalAddress",
+        _ => c"mcErrorUnknown",
+    };
+    name.as_ptr()
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcGetErrorString(code: c_int) -> *const c_char {
+    let text: &'static CStr = match code {
+        0 => c"no error",
+        1 => c"invalid argument",
+        2 => c"out of memory",
+        700 => c"an illegal memory access was encountered",
+        _ => c"unknown error (mock)",
+    };
+    text.as_ptr()
+}
+
+// ---- memory -------------------------------------------------------------------------------------
+
+fn allocate(s: &mut State, size: usize) -> usize {
+    if size == 0 {
+        return 0;
+    }
+    let mem = vec![0xCDu8; size].into_boxed_slice();
+    let addr = mem.as_ptr() as usize;
+    s.device_mem.insert(addr, (mem, std::thread::current().id()));
+    addr
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcMalloc(ptr: *mut *mut c_void, size: usize) -> c_int {
+    inject!("mcMalloc");
+    if ptr.is_null() {
+        return INVALID_VALUE;
+    }
+    with_state!(|s| {
+        let addr = allocate(s, size);
+        // SAFETY: checked non-null.
+        unsafe { *ptr = addr as *mut c_void };
+        SUCCESS
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcMallocAsync(ptr: *mut *mut c_void, size: usize, stream: *mut c_void) -> c_int {
+    inject!("mcMallocAsync");
+    if ptr.is_null() {
+        return INVALID_VALUE;
+    }
+    with_state!(|s| {
+        let stream = s.resolve(stream as usize);
+        if !s.streams.contains_key(&stream) {
+            return INVALID_HANDLE;
+        }
+        let addr = allocate(s, size);
+        // SAFETY: checked non-null.
+        unsafe { *ptr = addr as *mut c_void };
+        SUCCESS
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcFree(ptr: *mut c_void) -> c_int {
+    inject!("mcFree");
+    if ptr.is_null() {
+        return SUCCESS;
+    }
+    with_state!(|s| {
+        // Like the real runtime, freeing synchronises the device first.
+        s.flush_all();
+        match s.device_mem.remove(&(ptr as usize)) {
+            Some(_) => SUCCESS,
+            None => INVALID_VALUE,
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcFreeAsync(ptr: *mut c_void, stream: *mut c_void) -> c_int {
+    inject!("mcFreeAsync");
+    with_state!(|s| {
+        if !s.device_mem.contains_key(&(ptr as usize)) {
+            return INVALID_VALUE;
+        }
+        match s.enqueue(stream as usize, Op::Free { addr: ptr as usize }) {
+            Ok(_) => SUCCESS,
+            Err(code) => code,
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcMallocHost(ptr: *mut *mut c_void, size: usize) -> c_int {
+    inject!("mcMallocHost");
+    if ptr.is_null() {
+        return INVALID_VALUE;
+    }
+    with_state!(|s| {
+        let mem = vec![0u8; size.max(1)].into_boxed_slice();
+        let addr = mem.as_ptr() as usize;
+        s.host_mem.insert(addr, mem);
+        // SAFETY: checked non-null.
+        unsafe { *ptr = addr as *mut c_void };
+        SUCCESS
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcFreeHost(ptr: *mut c_void) -> c_int {
+    inject!("mcFreeHost");
+    with_state!(|s| {
+        s.flush_all();
+        match s.host_mem.remove(&(ptr as usize)) {
+            Some(_) => SUCCESS,
+            None => INVALID_VALUE,
+        }
+    })
+}
+
+/// Validates a copy and queues it on `stream`.
+fn queue_copy(s: &mut State, dst: usize, src: usize, len: usize, kind: c_int, stream: usize) -> c_int {
+    let (dst_device, src_device) = match kind {
+        1 => (true, false),
+        2 => (false, true),
+        3 => (true, true),
+        _ => return INVALID_MEMCPY_DIRECTION,
+    };
+    if len == 0 {
+        return SUCCESS;
+    }
+    if dst == 0 || src == 0 {
+        return INVALID_VALUE;
+    }
+    if (dst_device && !s.in_device_range(dst, len)) || (src_device && !s.in_device_range(src, len)) {
+        return INVALID_VALUE;
+    }
+    match s.enqueue(stream, Op::Copy { dst, src, len }) {
+        Ok(_) => SUCCESS,
+        Err(code) => code,
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcMemcpy(dst: *mut c_void, src: *const c_void, len: usize, kind: c_int) -> c_int {
+    inject!("mcMemcpy");
+    with_state!(|s| {
+        // Legacy default-stream semantics: queued after (and ordered with) blocking streams'
+        // work only, then run to completion.
+        let status = queue_copy(s, dst as usize, src as usize, len, kind, 0);
+        if status == SUCCESS {
+            s.flush_stream(0);
+        }
+        status
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcMemcpyAsync(
+    dst: *mut c_void,
+    src: *const c_void,
+    len: usize,
+    kind: c_int,
+    stream: *mut c_void,
+) -> c_int {
+    inject!("mcMemcpyAsync");
+    with_state!(|s| queue_copy(s, dst as usize, src as usize, len, kind, stream as usize))
+}
+
+// ---- streams and events -------------------------------------------------------------------------
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcStreamCreateWithFlags(stream: *mut *mut c_void, flags: c_uint) -> c_int {
+    inject!("mcStreamCreateWithFlags");
+    if stream.is_null() {
+        return INVALID_VALUE;
+    }
+    with_state!(|s| {
+        let id = new_handle();
+        s.streams.insert(id, Stream { non_blocking: flags & 1 != 0, owner: me(), ..Stream::default() });
+        // SAFETY: checked non-null.
+        unsafe { *stream = id as *mut c_void };
+        SUCCESS
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcStreamDestroy(stream: *mut c_void) -> c_int {
+    inject!("mcStreamDestroy");
+    let id = stream as usize;
+    with_state!(|s| {
+        if id == 0 || id == DEFAULT_STREAM.with(Cell::get) || !s.streams.contains_key(&id) {
+            return INVALID_HANDLE;
+        }
+        // Queued work still completes.
+        s.flush_stream(id);
+        s.streams.remove(&id);
+        SUCCESS
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcStreamSynchronize(stream: *mut c_void) -> c_int {
+    inject!("mcStreamSynchronize");
+    with_state!(|s| s.flush_stream(stream as usize))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcStreamWaitEvent(stream: *mut c_void, event: *mut c_void, _flags: c_uint) -> c_int {
+    inject!("mcStreamWaitEvent");
+    with_state!(|s| {
+        let stream = s.resolve(stream as usize);
+        let Some(e) = s.events.get(&(event as usize)) else { return INVALID_HANDLE };
+        match e.recorded {
+            Some((other, seq)) => match s.enqueue(stream, Op::Wait { stream: other, seq }) {
+                Ok(_) => SUCCESS,
+                Err(code) => code,
+            },
+            None if s.streams.contains_key(&stream) => SUCCESS,
+            None => INVALID_HANDLE,
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcEventCreateWithFlags(event: *mut *mut c_void, flags: c_uint) -> c_int {
+    inject!("mcEventCreateWithFlags");
+    if event.is_null() {
+        return INVALID_VALUE;
+    }
+    with_state!(|s| {
+        let id = new_handle();
+        s.events.insert(id, Event { recorded: None, time: None, timing: flags & 2 == 0 });
+        // SAFETY: checked non-null.
+        unsafe { *event = id as *mut c_void };
+        SUCCESS
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcEventDestroy(event: *mut c_void) -> c_int {
+    inject!("mcEventDestroy");
+    with_state!(|s| match s.events.remove(&(event as usize)) {
+        Some(_) => SUCCESS,
+        None => INVALID_HANDLE,
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcEventRecord(event: *mut c_void, stream: *mut c_void) -> c_int {
+    inject!("mcEventRecord");
+    with_state!(|s| {
+        let id = event as usize;
+        let stream = s.resolve(stream as usize);
+        if !s.events.contains_key(&id) {
+            return INVALID_HANDLE;
+        }
+        match s.enqueue(stream, Op::Mark { event: id }) {
+            Ok(seq) => {
+                if let Some(e) = s.events.get_mut(&id) {
+                    e.recorded = Some((stream, seq));
+                    e.time = None;
+                }
+                SUCCESS
+            }
+            Err(code) => code,
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcEventSynchronize(event: *mut c_void) -> c_int {
+    inject!("mcEventSynchronize");
+    with_state!(|s| {
+        let Some(e) = s.events.get(&(event as usize)) else { return INVALID_HANDLE };
+        if let Some((stream, seq)) = e.recorded {
+            s.flush(stream, seq);
+        }
+        SUCCESS
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcEventQuery(event: *mut c_void) -> c_int {
+    inject!("mcEventQuery");
+    with_state!(|s| {
+        let Some(e) = s.events.get(&(event as usize)) else { return INVALID_HANDLE };
+        match e.recorded {
+            Some((stream, seq)) if s.streams.get(&stream).is_some_and(|st| st.done < seq) => NOT_READY,
+            _ => SUCCESS,
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcEventElapsedTime(ms: *mut f32, start: *mut c_void, end: *mut c_void) -> c_int {
+    inject!("mcEventElapsedTime");
+    if ms.is_null() {
+        return INVALID_VALUE;
+    }
+    with_state!(|s| {
+        let (Some(a), Some(b)) = (s.events.get(&(start as usize)), s.events.get(&(end as usize))) else {
+            return INVALID_HANDLE;
+        };
+        if !a.timing || !b.timing {
+            return INVALID_HANDLE;
+        }
+        match (a.time, b.time) {
+            (Some(t0), Some(t1)) => {
+                // SAFETY: checked non-null.
+                unsafe { *ms = t1.saturating_duration_since(t0).as_secs_f32() * 1000.0 };
+                SUCCESS
+            }
+            _ => NOT_READY,
+        }
+    })
+}
+
+// ---- modules and launches -----------------------------------------------------------------------
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcModuleLoadData(module: *mut *mut c_void, image: *const c_void) -> c_int {
+    inject!("mcModuleLoadData");
+    if module.is_null() || image.is_null() {
+        return INVALID_VALUE;
+    }
+    // SAFETY: a valid image starts with the 8-byte magic and an 8-byte length; the caller passes
+    // a readable image (the magic is checked before the length is trusted).
+    let header = unsafe { std::slice::from_raw_parts(image.cast::<u8>(), 16) };
+    if &header[..8] != IMAGE_MAGIC {
+        return INVALID_KERNEL_IMAGE;
+    }
+    let mut len = [0u8; 8];
+    len.copy_from_slice(&header[8..16]);
+    let len = u64::from_le_bytes(len) as usize;
+    // SAFETY: the image produced by the mock compiler holds `len` payload bytes after its header.
+    let payload = unsafe { std::slice::from_raw_parts(image.cast::<u8>().add(16), len) };
+    let names: Vec<String> =
+        String::from_utf8_lossy(payload).lines().filter(|l| !l.is_empty()).map(str::to_string).collect();
+    with_state!(|s| {
+        let id = new_handle();
+        s.modules.insert(id, names);
+        // SAFETY: checked non-null.
+        unsafe { *module = id as *mut c_void };
+        SUCCESS
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcModuleUnload(module: *mut c_void) -> c_int {
+    inject!("mcModuleUnload");
+    with_state!(|s| {
+        let id = module as usize;
+        if s.modules.remove(&id).is_none() {
+            return INVALID_HANDLE;
+        }
+        s.functions.retain(|_, (m, _)| *m != id);
+        SUCCESS
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcModuleGetFunction(
+    function: *mut *mut c_void,
+    module: *mut c_void,
+    name: *const c_char,
+) -> c_int {
+    inject!("mcModuleGetFunction");
+    if function.is_null() || name.is_null() {
+        return INVALID_VALUE;
+    }
+    // SAFETY: the caller passes a NUL-terminated name.
+    let name = unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned();
+    with_state!(|s| {
+        let Some(names) = s.modules.get(&(module as usize)) else { return INVALID_HANDLE };
+        if !names.contains(&name) {
+            return SYMBOL_NOT_FOUND;
+        }
+        let id = new_handle();
+        s.functions.insert(id, (module as usize, name.clone()));
+        // SAFETY: checked non-null.
+        unsafe { *function = id as *mut c_void };
+        SUCCESS
+    })
+}
+
+#[cfg(not(feature = "missing-launch"))]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcModuleLaunchKernel(
+    function: *mut c_void,
+    gx: c_uint,
+    gy: c_uint,
+    gz: c_uint,
+    bx: c_uint,
+    by: c_uint,
+    bz: c_uint,
+    shared_memory: c_uint,
+    stream: *mut c_void,
+    _params: *mut *mut c_void,
+    _extra: *mut *mut c_void,
+) -> c_int {
+    inject!("mcModuleLaunchKernel");
+    let threads = u64::from(bx) * u64::from(by) * u64::from(bz);
+    if gx == 0 || gy == 0 || gz == 0 || threads == 0 || threads > 1024 || shared_memory > 64 * 1024 {
+        return INVALID_CONFIGURATION;
+    }
+    with_state!(|s| {
+        if !s.functions.contains_key(&(function as usize)) {
+            return INVALID_HANDLE;
+        }
+        let stream = s.resolve(stream as usize);
+        if let Err(code) = s.enqueue(stream, Op::Launch) {
+            return code;
+        }
+        let launch = MockLaunch {
+            grid: [gx, gy, gz],
+            block: [bx, by, bz],
+            shared_memory,
+            stream,
+            function: function as usize,
+        };
+        LAUNCHES.with(|l| l.borrow_mut().push(launch));
+        TOTAL_LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        SUCCESS
+    })
+}
+
+// ---- run-time compiler --------------------------------------------------------------------------
+
+/// The `__global__` function names of `source` (the identifier before the first `(` after the
+/// `__global__` keyword).
+fn kernel_names(source: &str) -> Vec<String> {
+    source
+        .split("__global__")
+        .skip(1)
+        .filter_map(|rest| {
+            let head = &rest[..rest.find('(')?];
+            let name = head.split(|c: char| !(c.is_alphanumeric() || c == '_')).rfind(|t| !t.is_empty())?;
+            Some(name.to_string())
+        })
+        .collect()
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcrtcCreateProgram(
+    program: *mut *mut c_void,
+    source: *const c_char,
+    _name: *const c_char,
+    num_headers: c_int,
+    _headers: *const *const c_char,
+    _include_names: *const *const c_char,
+) -> c_int {
+    inject!("mcrtcCreateProgram");
+    if program.is_null() || source.is_null() || num_headers < 0 {
+        return RTC_INVALID_INPUT;
+    }
+    // SAFETY: the caller passes a NUL-terminated source.
+    let source = unsafe { CStr::from_ptr(source) }.to_string_lossy().into_owned();
+    let mut guard = state();
+    let Some(s) = guard.as_mut() else { return RTC_INVALID_INPUT };
+    let id = new_handle();
+    s.programs.insert(id, Program { source, log: String::new(), image: None });
+    // SAFETY: checked non-null.
+    unsafe { *program = id as *mut c_void };
+    RTC_SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcrtcCompileProgram(
+    program: *mut c_void,
+    num_options: c_int,
+    options: *const *const c_char,
+) -> c_int {
+    inject!("mcrtcCompileProgram");
+    let mut opts = Vec::new();
+    for i in 0..num_options.max(0) as usize {
+        // SAFETY: the caller passes `num_options` NUL-terminated strings.
+        let opt = unsafe { CStr::from_ptr(*options.add(i)) };
+        opts.push(opt.to_string_lossy().into_owned());
+    }
+    let mut guard = state();
+    let Some(s) = guard.as_mut() else { return RTC_INVALID_PROGRAM };
+    let Some(p) = s.programs.get_mut(&(program as usize)) else { return RTC_INVALID_PROGRAM };
+    COMPILES.with(|c| c.borrow_mut().push(p.source.clone()));
+    if let Some(line) = p.source.lines().find(|l| l.trim_start().starts_with("#error")) {
+        p.log = format!("mock-mcrtc: error: {}\n", line.trim());
+        return RTC_COMPILATION;
+    }
+    let names = kernel_names(&p.source);
+    p.log = format!("mock-mcrtc: {} kernel(s); options: {}\n", names.len(), opts.join(" "));
+    let payload = names.join("\n").into_bytes();
+    let mut image = IMAGE_MAGIC.to_vec();
+    image.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    image.extend_from_slice(&payload);
+    p.image = Some(image);
+    RTC_SUCCESS
+}
+
+fn with_program(program: *mut c_void, f: impl FnOnce(&Program) -> c_int) -> c_int {
+    let guard = state();
+    match guard.as_ref().and_then(|s| s.programs.get(&(program as usize))) {
+        Some(p) => f(p),
+        None => RTC_INVALID_PROGRAM,
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcrtcGetProgramLogSize(program: *mut c_void, size: *mut usize) -> c_int {
+    inject!("mcrtcGetProgramLogSize");
+    with_program(program, |p| {
+        // SAFETY: the caller passes a writable size_t.
+        unsafe { *size = p.log.len() + 1 };
+        RTC_SUCCESS
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcrtcGetProgramLog(program: *mut c_void, log: *mut c_char) -> c_int {
+    inject!("mcrtcGetProgramLog");
+    with_program(program, |p| {
+        // SAFETY: the caller provides the size returned by `mcrtcGetProgramLogSize`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(p.log.as_ptr().cast(), log, p.log.len());
+            *log.add(p.log.len()) = 0;
+        }
+        RTC_SUCCESS
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcrtcGetBitcodeSize(program: *mut c_void, size: *mut usize) -> c_int {
+    inject!("mcrtcGetBitcodeSize");
+    with_program(program, |p| match &p.image {
+        Some(image) => {
+            // SAFETY: the caller passes a writable size_t.
+            unsafe { *size = image.len() };
+            RTC_SUCCESS
+        }
+        None => RTC_INVALID_PROGRAM,
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcrtcGetBitcode(program: *mut c_void, out: *mut c_char) -> c_int {
+    inject!("mcrtcGetBitcode");
+    with_program(program, |p| match &p.image {
+        Some(image) => {
+            // SAFETY: the caller provides the size returned by `mcrtcGetBitcodeSize`.
+            unsafe { std::ptr::copy_nonoverlapping(image.as_ptr().cast(), out, image.len()) };
+            RTC_SUCCESS
+        }
+        None => RTC_INVALID_PROGRAM,
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcrtcDestroyProgram(program: *mut *mut c_void) -> c_int {
+    inject!("mcrtcDestroyProgram");
+    if program.is_null() {
+        return RTC_INVALID_INPUT;
+    }
+    // SAFETY: checked non-null.
+    let id = unsafe { *program } as usize;
+    let mut guard = state();
+    let Some(s) = guard.as_mut() else { return RTC_INVALID_PROGRAM };
+    match s.programs.remove(&id) {
+        Some(_) => {
+            // SAFETY: checked non-null.
+            unsafe { *program = std::ptr::null_mut() };
+            RTC_SUCCESS
+        }
+        None => RTC_INVALID_PROGRAM,
+    }
+}
+
+// ---- control and inspection (mock only) -----------------------------------------------------------
+
+/// Makes calls of `symbol` *on the calling thread* return `code`: after `skip` successful calls,
+/// for the next `count` calls (`0`: every later call).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcmockInjectError(symbol: *const c_char, code: c_int, skip: c_uint, count: c_uint) {
+    if symbol.is_null() {
+        return;
+    }
+    // SAFETY: the caller passes a NUL-terminated name.
+    let symbol = unsafe { CStr::from_ptr(symbol) }.to_string_lossy().into_owned();
+    let remaining = (count > 0).then_some(count);
+    INJECTIONS.with(|l| l.borrow_mut().push(Injection { symbol, code, skip, remaining }));
+}
+
+/// Removes the calling thread's injected errors.
+#[unsafe(no_mangle)]
+pub extern "C" fn mcmockClearInjections() {
+    INJECTIONS.with(|l| l.borrow_mut().clear());
+}
+
+/// Kernel launches accepted on the calling thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn mcmockLaunchCount() -> u64 {
+    LAUNCHES.with(|l| l.borrow().len() as u64)
+}
+
+/// The last launch accepted on the calling thread; returns 0 and leaves `out` alone if none.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcmockLastLaunch(out: *mut MockLaunch) -> c_int {
+    match LAUNCHES.with(|l| l.borrow().last().copied()) {
+        Some(launch) if !out.is_null() => {
+            // SAFETY: checked non-null; the caller passes a writable `MockLaunch`.
+            unsafe { *out = launch };
+            1
+        }
+        _ => 0,
+    }
+}
+
+/// Programs compiled on the calling thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn mcmockCompileCount() -> u64 {
+    COMPILES.with(|c| c.borrow().len() as u64)
+}
+
+/// Operations queued on `stream` and not yet run (u64::MAX for an unknown stream).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcmockPendingOps(stream: *mut c_void) -> u64 {
+    let mut guard = state();
+    guard.as_mut().map_or(u64::MAX, |s| {
+        let id = s.resolve(stream as usize);
+        s.streams.get(&id).map_or(u64::MAX, |st| st.queue.len() as u64)
+    })
+}
+
+/// Launches that have run (been reached by a synchronisation) on `stream`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcmockLaunchesRun(stream: *mut c_void) -> u64 {
+    let mut guard = state();
+    guard.as_mut().map_or(0, |s| {
+        let id = s.resolve(stream as usize);
+        s.streams.get(&id).map_or(0, |st| st.launches_run)
+    })
+}
+
+/// Device allocations made on the calling thread and still live.
+#[unsafe(no_mangle)]
+pub extern "C" fn mcmockLiveAllocations() -> u64 {
+    let me = std::thread::current().id();
+    let guard = state();
+    guard.as_ref().map_or(0, |s| s.device_mem.values().filter(|(_, owner)| *owner == me).count() as u64)
+}
