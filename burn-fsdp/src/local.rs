@@ -242,7 +242,8 @@ fn from_f32<B: Backend>(v: Vec<f32>, dtype: DType, device: &B::Device) -> Tensor
     let n = v.len();
     let data = TensorData::new(v, [n]);
     let data = if dtype == DType::F32 { data } else { data.convert_dtype(dtype) };
-    Tensor::from_data(data, device)
+    // Explicit dtype: the backend's default float type would otherwise be imposed.
+    Tensor::from_data(data, (device, dtype))
 }
 
 impl<B: Backend> ProcessGroup<B> for LocalGroup {
@@ -270,8 +271,9 @@ impl<B: Backend> ProcessGroup<B> for LocalGroup {
         for i in &inputs {
             bytes.extend_from_slice(i.as_bytes());
         }
-        let data = TensorData::from_bytes_vec(bytes, [n * inputs.len()], inputs[0].dtype);
-        Ok(Tensor::from_data(data, &device))
+        let dtype = inputs[0].dtype;
+        let data = TensorData::from_bytes_vec(bytes, [n * inputs.len()], dtype);
+        Ok(Tensor::from_data(data, (&device, dtype)))
     }
 
     fn reduce_scatter(
@@ -321,7 +323,9 @@ impl<B: Backend> ProcessGroup<B> for LocalGroup {
         }
         let device = input.device();
         let inputs = self.exchange(kind, tag, input.into_data())?;
-        Ok(Tensor::from_data((*inputs[root]).clone(), &device))
+        let data = (*inputs[root]).clone();
+        let dtype = data.dtype;
+        Ok(Tensor::from_data(data, (&device, dtype)))
     }
 
     fn barrier(&self, tag: &Tag) -> Result<(), CommError> {
@@ -431,5 +435,92 @@ where
     match first.or(any) {
         Some(e) => Err(e),
         None => Ok(values),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::NdArray;
+
+    type B = NdArray<f32>;
+
+    fn t(v: Vec<f32>) -> Tensor<B, 1> {
+        let n = v.len();
+        Tensor::from_data(TensorData::new(v, [n]), &Default::default())
+    }
+
+    fn vals(x: Tensor<B, 1>) -> Vec<f32> {
+        x.into_data().to_vec::<f32>().unwrap()
+    }
+
+    #[test]
+    fn every_collective_at_world_sizes_1_to_8() {
+        for world in 1..=8usize {
+            let out = launch(world, Duration::from_secs(10), |g| {
+                let r = g.rank() as f32;
+                let tag = Tag::new("t");
+                // Rank r contributes [r, r + 0.5, r + 0.25] (3 elements: uneven w.r.t. most W).
+                let mine = vec![r, r + 0.5, r + 0.25];
+                let ag = vals(ProcessGroup::<B>::all_gather(&*g, t(mine.clone()), &tag)?);
+                let rs_in: Vec<f32> = (0..world * 2).map(|i| i as f32 + r).collect();
+                let rs_sum =
+                    vals(ProcessGroup::<B>::reduce_scatter(&*g, t(rs_in.clone()), ReduceOp::Sum, &tag)?);
+                let rs_avg = vals(ProcessGroup::<B>::reduce_scatter(&*g, t(rs_in), ReduceOp::Avg, &tag)?);
+                let ar = vals(ProcessGroup::<B>::all_reduce(&*g, t(mine.clone()), ReduceOp::Max, &tag)?);
+                let bc = vals(ProcessGroup::<B>::broadcast(&*g, t(mine), world - 1, &tag)?);
+                ProcessGroup::<B>::barrier(&*g, &tag)?;
+                Ok::<_, CommError>((ag, rs_sum, rs_avg, ar, bc, ProcessGroup::<B>::stats(&*g)))
+            })
+            .unwrap();
+            let w = world as f32;
+            let sum_r: f32 = (0..world).map(|r| r as f32).sum();
+            for (rank, (ag, rs_sum, rs_avg, ar, bc, stats)) in out.into_iter().enumerate() {
+                let want_ag: Vec<f32> =
+                    (0..world).flat_map(|r| [r as f32, r as f32 + 0.5, r as f32 + 0.25]).collect();
+                assert_eq!(ag, want_ag, "all_gather W={world}");
+                let want_sum: Vec<f32> = (0..2).map(|j| ((rank * 2 + j) as f32) * w + sum_r).collect();
+                assert_eq!(rs_sum, want_sum, "reduce_scatter sum W={world}");
+                let want_avg: Vec<f32> = want_sum.iter().map(|x| x / w).collect();
+                assert_eq!(rs_avg, want_avg, "reduce_scatter avg W={world}");
+                let top = (world - 1) as f32;
+                assert_eq!(ar, vec![top, top + 0.5, top + 0.25], "all_reduce max W={world}");
+                assert_eq!(bc, vec![top, top + 0.5, top + 0.25], "broadcast W={world}");
+                let expected_calls = if world == 1 { 0 } else { 1 };
+                assert_eq!(stats.calls(CollectiveKind::AllGather), expected_calls);
+                assert_eq!(stats.calls(CollectiveKind::ReduceScatter), 2 * expected_calls);
+                assert_eq!(stats.calls(CollectiveKind::Barrier), expected_calls);
+            }
+        }
+    }
+
+    #[test]
+    fn reduce_scatter_of_an_unsplittable_length_is_an_error() {
+        let e = launch(2, Duration::from_secs(10), |g| {
+            ProcessGroup::<B>::reduce_scatter(&*g, t(vec![1.0; 3]), ReduceOp::Sum, &Tag::new("odd"))
+                .map(|_| ())
+        })
+        .unwrap_err();
+        assert!(e.message.contains("do not split"), "{e}");
+    }
+
+    #[test]
+    fn bf16_inputs_are_reduced_and_returned_in_bf16() {
+        type F = burn::backend::Flex<f32>;
+        let out = launch(2, Duration::from_secs(10), |g| {
+            let x = Tensor::<F, 1>::from_floats([1.0, 2.5], &Default::default()).cast(DType::BF16);
+            let r = ProcessGroup::<F>::all_reduce(&*g, x.clone(), ReduceOp::Sum, &Tag::new("bf"))?;
+            let a = ProcessGroup::<F>::all_gather(&*g, x, &Tag::new("bf-ag"))?;
+            Ok::<_, CommError>((
+                r.dtype(),
+                r.cast(DType::F32).into_data().to_vec::<f32>().unwrap(),
+                a.dtype(),
+            ))
+        })
+        .unwrap();
+        for (dtype, v, ag_dtype) in out {
+            assert_eq!((dtype, ag_dtype), (DType::BF16, DType::BF16));
+            assert_eq!(v, vec![2.0, 5.0]);
+        }
     }
 }

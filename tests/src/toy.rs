@@ -54,9 +54,11 @@ impl<B: Backend> Toy<B> {
         }
     }
 
-    /// `[n, 15]` → `[n, 16]`, each block run through `runner`.
+    /// `[n, 15]` → `[n, 16]` (fp32), each block run through `runner`. Computes in the dtype
+    /// of its parameters (bf16 under a mixed-precision policy).
     pub fn forward_with<R: UnitRunner<B>>(&self, x: Tensor<B, 2>, runner: &mut R) -> Tensor<B, 2> {
-        let mut x = x * self.scale.val().unsqueeze();
+        let scale = self.scale.val();
+        let mut x = x.cast(scale.dtype()) * scale.unsqueeze();
         for block in &self.blocks {
             x = runner.run(block, x, |blk, x| {
                 let u = x.clone().matmul(blk.a.val().transpose()).tanh();
@@ -65,7 +67,7 @@ impl<B: Backend> Toy<B> {
                 x + y.narrow(1, 0, 15)
             });
         }
-        x.matmul(self.head.val().transpose())
+        x.matmul(self.head.val().transpose()).cast(burn::tensor::DType::F32)
     }
 
     /// Mean squared error against `target`.

@@ -3,6 +3,7 @@
 
 pub mod consolidate;
 pub mod data;
+pub mod generate;
 pub mod logits;
 pub mod train;
 
