@@ -27,6 +27,7 @@ use serde::{Deserialize, Serialize};
 use crate::comm::Tag;
 use crate::fsdp::{Fsdp, FsdpError};
 use crate::io::{IoError, SafetensorsFile, TensorOut, io_err, write_atomic, write_safetensors};
+use crate::offload::{HostAdam, HostParam};
 use crate::op::FsdpBackend;
 use crate::optim::{AdamState, AdamW, AdamWConfig};
 use crate::param::ShardedParam;
@@ -236,6 +237,10 @@ impl CheckpointReader {
     }
 }
 
+struct AdamStep {
+    step: u64,
+}
+
 /// One unsharded parameter: `(name, shape, values)`.
 pub type FullParam = (String, Vec<usize>, Vec<f32>);
 
@@ -293,9 +298,18 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
                 let Some(values) = shards.get(&p.id) else { continue };
                 let (shape, v) = unpadded(p, rank, values.clone());
                 tensors.push((format!("param/{}", p.path), TensorOut::F32(shape, v)));
-                if let Some(s) = optim.state(&p.id) {
-                    let (shape, m) = unpadded(p, rank, to_f32(s.exp_avg.clone()));
-                    let (_, v) = unpadded(p, rank, to_f32(s.exp_avg_sq.clone()));
+                let state = match self.host_store() {
+                    Some(host) => {
+                        host.get(p.id).and_then(|h| h.adam).map(|a| (a.step, a.exp_avg, a.exp_avg_sq))
+                    }
+                    None => optim
+                        .state(&p.id)
+                        .map(|s| (s.step, to_f32(s.exp_avg.clone()), to_f32(s.exp_avg_sq.clone()))),
+                };
+                if let Some((step, m, v)) = state {
+                    let s = AdamStep { step };
+                    let (shape, m) = unpadded(p, rank, m);
+                    let (_, v) = unpadded(p, rank, v);
                     tensors.push((format!("exp_avg/{}", p.path), TensorOut::F32(shape.clone(), m)));
                     tensors.push((format!("exp_avg_sq/{}", p.path), TensorOut::F32(shape, v)));
                     tensors.push((format!("step/{}", p.path), TensorOut::I64(vec![1], vec![s.step as i64])));
@@ -377,7 +391,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         let device = self.mesh().device().clone();
         // Read and check everything first.
         let mut values: HashMap<ParamId, Vec<f32>> = HashMap::new();
-        let mut states: Vec<(ParamId, AdamState<B::InnerBackend>)> = Vec::new();
+        let mut states: Vec<(ParamId, u64, Vec<f32>, Vec<f32>)> = Vec::new();
         for p in ours {
             let Some(e) = entries.get(p.path.as_str()) else {
                 return Err(invalid(&index_path, format!("has no parameter `{}`", p.path)));
@@ -390,22 +404,32 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
             }
             values.insert(p.id, shard_values(p, rank, &reader.full("param", e)?));
             if let Some(step) = reader.step_of(e)? {
-                let flat = |v: Vec<f32>| {
-                    let n = v.len();
-                    Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(v, [n]), &device)
-                };
                 let m = shard_values(p, rank, &reader.full("exp_avg", e)?);
                 let v = shard_values(p, rank, &reader.full("exp_avg_sq", e)?);
-                states.push((p.id, AdamState { step, exp_avg: flat(m), exp_avg_sq: flat(v) }));
+                states.push((p.id, step, m, v));
             }
+        }
+        if let Some(host) = self.host_store() {
+            let mut adam: HashMap<ParamId, HostAdam> = states
+                .into_iter()
+                .map(|(id, step, exp_avg, exp_avg_sq)| (id, HostAdam { step, exp_avg, exp_avg_sq }))
+                .collect();
+            for (id, shard) in values {
+                host.set(id, HostParam { shard, grad: None, adam: adam.remove(&id) });
+            }
+            return Ok(index);
         }
         // Then apply.
         let shapes: HashMap<ParamId, Vec<usize>> =
             self.units().iter().flat_map(|u| u.params.iter().map(|p| (p.id, p.shard_shape()))).collect();
         let mut loader = ShardLoader::<B> { values, shapes, _b: Default::default() };
         self.replace_module(|m| m.map(&mut loader));
-        for (id, s) in states {
-            optim.set_state(id, s);
+        let flat = |v: Vec<f32>| {
+            let n = v.len();
+            Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(v, [n]), &device)
+        };
+        for (id, step, m, v) in states {
+            optim.set_state(id, AdamState { step, exp_avg: flat(m), exp_avg_sq: flat(v) });
         }
         Ok(index)
     }

@@ -15,6 +15,7 @@ use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 use crate::collectives::UnitComm;
 use crate::comm::{CommError, CommStats, ReduceOp, Tag};
 use crate::mesh::DeviceMesh;
+use crate::offload::{HostStore, OffloadPolicy};
 use crate::op::FsdpBackend;
 use crate::optim::{AdamW, clip_coefficient, grad_sq_sum, scale_grads};
 use crate::param::ShardedParam;
@@ -77,6 +78,8 @@ pub struct FsdpConfig {
     pub units: UnitPolicy,
     /// Mixed precision.
     pub mp_policy: MixedPrecisionPolicy,
+    /// CPU offload of shards, gradients and optimizer state.
+    pub offload: OffloadPolicy,
 }
 
 impl Default for FsdpConfig {
@@ -86,6 +89,7 @@ impl Default for FsdpConfig {
             reshard_root: false,
             units: UnitPolicy::default(),
             mp_policy: MixedPrecisionPolicy::default(),
+            offload: OffloadPolicy::default(),
         }
     }
 }
@@ -199,6 +203,8 @@ pub struct Fsdp<B: FsdpBackend, M: Module<B>> {
     sync: Arc<AtomicBool>,
     /// Gradients kept while sync is off, at world size 1 (where no gather op runs).
     stash: Mutex<Option<GradientsParams>>,
+    /// Host copies of the shards, gradients and optimizer state, with offload.
+    host: Option<Arc<HostStore>>,
     config: FsdpConfig,
 }
 
@@ -293,10 +299,25 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
                 }
             })
             .collect::<Vec<_>>();
-        let mut sharder =
-            Sharder::<B> { units: &units, param_unit: &param_unit, rank, _b: Default::default() };
+        let host = config.offload.enabled.then(|| Arc::new(HostStore::default()));
+        let mut sharder = Sharder::<B> {
+            units: &units,
+            param_unit: &param_unit,
+            rank,
+            host: host.as_deref(),
+            _b: Default::default(),
+        };
         let module = model.map(&mut sharder);
-        Ok(Self { module, units, param_unit, mesh: mesh.clone(), sync, stash: Mutex::new(None), config })
+        Ok(Self {
+            module,
+            units,
+            param_unit,
+            mesh: mesh.clone(),
+            sync,
+            stash: Mutex::new(None),
+            host,
+            config,
+        })
     }
 
     /// The sharded module (parameters are local shards).
@@ -369,6 +390,12 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         M: AutodiffModule<B>,
     {
         let sync = self.sync.load(Ordering::SeqCst);
+        if self.host.is_some() {
+            // Offload: the gather op's backward already copied the reduced gradients to the
+            // host store, where `clip_grad_norm` and `step` find them.
+            drop(grads);
+            return GradientsParams::new();
+        }
         let current = GradientsParams::from_grads(grads, &self.module);
         if !self.bypass() {
             // The gather op kept (or reduced) the full gradients itself.
@@ -396,13 +423,19 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     where
         M: AutodiffModule<B>,
     {
-        let local = grad_sq_sum::<B, M>(&self.module, grads);
+        let local = match &self.host {
+            Some(host) => host.grad_sq_sum(),
+            None => grad_sq_sum::<B, M>(&self.module, grads),
+        };
         let total = self.all_reduce_scalar(local, ReduceOp::Sum, "clip_grad_norm")?;
         let norm = total.sqrt();
         if max_norm.is_finite() && max_norm > 0.0 {
             let coef = clip_coefficient(norm, max_norm);
             if coef < 1.0 {
-                scale_grads::<B, M>(&self.module, grads, coef);
+                match &self.host {
+                    Some(host) => host.scale_grads(coef),
+                    None => scale_grads::<B, M>(&self.module, grads, coef),
+                }
             }
         }
         Ok(norm)
@@ -426,31 +459,35 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     where
         M: AutodiffModule<B>,
     {
+        if let Some(host) = &self.host {
+            // Offload: AdamW runs on the host copies; `optim` contributes its hyper-parameters.
+            host.adam_step(optim.config());
+            return;
+        }
         let module = self.module.clone();
         self.module = optim.step(module, grads);
+    }
+
+    /// The host store of an offloaded FSDP (`None` without offload).
+    pub fn host_store(&self) -> Option<&HostStore> {
+        self.host.as_deref()
     }
 
     /// Every unsharded parameter as `(path, shape, values)`, gathered from all ranks (every
     /// rank must call this; each gets the full list). For export and checks.
     pub fn full_parameters(&self) -> Result<Vec<(String, Vec<usize>, TensorData)>, FsdpError> {
-        let shards = collect_shards::<B, M>(&self.module, &self.param_unit, self.units.len());
+        let shards = self.shard_values();
         let group = self.mesh.group_at(0);
         let mut out = Vec::new();
-        for (u, unit) in self.units.iter().enumerate() {
+        for unit in &self.units {
             if unit.params.is_empty() {
                 continue;
             }
-            let flat = Tensor::cat(
-                unit_shards::<B, _>(unit, &shards[u])
-                    .into_iter()
-                    .map(|t| {
-                        let t = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t));
-                        let n = t.shape().num_elements();
-                        t.inner().reshape([n])
-                    })
-                    .collect(),
-                0,
-            );
+            let values: Vec<f32> =
+                unit.params.iter().flat_map(|p| shards.get(&p.id).cloned().unwrap_or_default()).collect();
+            let n = values.len();
+            let flat =
+                Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(values, [n]), self.mesh.device());
             let full = group.all_gather(flat, &Tag::new(format!("{}:export", unit.comm.name)))?;
             let g2 = full.reshape([self.world(), unit.shard_len()]);
             for (p, &off) in unit.params.iter().zip(&unit.offsets) {
@@ -463,11 +500,19 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
 
     /// At world size 1 without a dtype change nothing needs gathering.
     fn bypass(&self) -> bool {
-        self.world() == 1 && self.config.mp_policy.param_dtype.is_none()
+        self.world() == 1 && self.config.mp_policy.param_dtype.is_none() && self.host.is_none()
     }
 
     /// This rank's padded shard of every parameter, flattened to `f32` host values.
     pub(crate) fn shard_values(&self) -> HashMap<ParamId, Vec<f32>> {
+        if let Some(host) = &self.host {
+            return self
+                .units
+                .iter()
+                .flat_map(|u| u.params.iter())
+                .filter_map(|p| host.get(p.id).map(|h| (p.id, h.shard)))
+                .collect();
+        }
         let shards = collect_shards::<B, M>(&self.module, &self.param_unit, self.units.len());
         shards
             .into_iter()
@@ -506,9 +551,28 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     /// A view of `module` with unit `u`'s parameters all-gathered (other parameters untouched).
     fn gather_view<U: Module<B>>(&self, module: U, u: usize, anchor: Option<FloatTensor<B>>) -> U {
         let unit = &self.units[u];
-        let shards = collect_shards::<B, U>(&module, &self.param_unit, self.units.len());
-        let parts = unit_shards::<B, _>(unit, &shards[u]);
-        let full = B::fsdp_all_gather(parts, anchor, unit.comm.clone(), unit.reshard_after_forward);
+        let full = match &self.host {
+            Some(host) => {
+                // The op needs a tracked parent; without an input activation, a tiny leaf.
+                let anchor = anchor.filter(|a| B::float_is_require_grad(a)).unwrap_or_else(|| {
+                    let leaf = Tensor::<B::InnerBackend, 1>::zeros([1], self.mesh.device());
+                    Tensor::<B, 1>::from_inner(leaf).require_grad().into_primitive().tensor()
+                });
+                let ids = Arc::new(unit.params.iter().map(|p| (p.id, p.shard_numel())).collect());
+                B::fsdp_all_gather_offloaded(
+                    anchor,
+                    unit.comm.clone(),
+                    host.clone(),
+                    ids,
+                    unit.reshard_after_forward,
+                )
+            }
+            None => {
+                let shards = collect_shards::<B, U>(&module, &self.param_unit, self.units.len());
+                let parts = unit_shards::<B, _>(unit, &shards[u]);
+                B::fsdp_all_gather(parts, anchor, unit.comm.clone(), unit.reshard_after_forward)
+            }
+        };
         let gathered = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(full))
             .reshape([self.world(), unit.shard_len()]);
         let mut mapper = Unsharder::<B> { unit, gathered, _b: Default::default() };
@@ -593,6 +657,8 @@ struct Sharder<'a, B: FsdpBackend> {
     units: &'a [FsdpUnit<B::InnerBackend>],
     param_unit: &'a HashMap<ParamId, usize>,
     rank: usize,
+    /// With offload, shards go here and the module keeps zero-row placeholders.
+    host: Option<&'a HostStore>,
     _b: std::marker::PhantomData<B>,
 }
 
@@ -610,7 +676,18 @@ impl<B: FsdpBackend> ModuleMapper<B> for Sharder<'_, B> {
         let device = tensor.device();
         // Copy the data out so the shard is a fresh leaf sharing nothing with `tensor`'s graph.
         let shard = unit.params[i].shard_of(tensor.inner(), self.rank);
-        let mut t = Tensor::<B, D>::from_data(shard.into_data(), &device);
+        let mut t = match self.host {
+            Some(host) => {
+                let n = shard.shape().num_elements();
+                let values =
+                    shard.reshape([n]).into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default();
+                host.insert(id, values);
+                let mut empty = unit.params[i].shard_shape();
+                empty[0] = 0;
+                Tensor::<B, D>::zeros(burn::tensor::Shape::from(empty), &device)
+            }
+            None => Tensor::<B, D>::from_data(shard.into_data(), &device),
+        };
         if require_grad {
             t = t.require_grad();
         }

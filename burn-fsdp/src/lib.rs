@@ -22,6 +22,7 @@ pub mod fsdp;
 pub mod io;
 pub mod local;
 pub mod mesh;
+pub mod offload;
 pub mod op;
 pub mod optim;
 pub mod param;

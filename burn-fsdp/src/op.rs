@@ -33,6 +33,8 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Shape, Tensor, TensorMetadata, TensorPrimitive};
 
 use crate::collectives::{Phase, UnitComm};
+use crate::offload::HostStore;
+use burn::module::ParamId;
 
 /// Units with at most this many parameters (plus the anchor) gather without keeping a
 /// concatenated copy of their shards.
@@ -46,6 +48,18 @@ pub trait FsdpBackend: AutodiffBackend {
         shards: Vec<FloatTensor<Self>>,
         anchor: Option<FloatTensor<Self>>,
         unit: Arc<UnitComm<Self::InnerBackend>>,
+        recompute: bool,
+    ) -> FloatTensor<Self>;
+
+    /// The same all-gather for an offloaded unit: the flat shard is uploaded from `host`
+    /// (the concatenation of `ids`' shards, with their lengths) right before the gather and
+    /// again for a re-gather; backward copies the reduced shard gradient back into `host`.
+    /// `anchor` must be tracked (the unit's input activation, or any tracked leaf).
+    fn fsdp_all_gather_offloaded(
+        anchor: FloatTensor<Self>,
+        unit: Arc<UnitComm<Self::InnerBackend>>,
+        host: Arc<HostStore>,
+        ids: Arc<Vec<(ParamId, usize)>>,
         recompute: bool,
     ) -> FloatTensor<Self>;
 
@@ -71,6 +85,8 @@ enum Parents {
     Direct(Vec<(Shape, DType)>),
     /// Parent 0 is the concatenated flat shard.
     Flat,
+    /// The shards live in a host store; the gradient is copied back there.
+    Host(Arc<HostStore>, Arc<Vec<(ParamId, usize)>>),
 }
 
 #[derive(Debug)]
@@ -94,6 +110,11 @@ impl<B: Backend, const N: usize> Backward<B, N> for GatherBackward<B> {
                     grads.register::<B>(node.id, g.into_primitive().tensor());
                 }
             }
+            Parents::Host(host, ids) => {
+                if let Some(g) = reduced {
+                    host.accumulate_grad(&ids, g);
+                }
+            }
             Parents::Direct(shapes) => {
                 // Without sync the full gradient was kept for later; the shards get nothing
                 // now (leaves need no gradient to be registered).
@@ -114,16 +135,33 @@ impl<B: Backend, const N: usize> Backward<B, N> for GatherBackward<B> {
     }
 }
 
+/// Where a re-gather finds the shards.
+#[derive(Debug)]
+enum Sources<B: Backend> {
+    /// Checkpointed parents of the op.
+    Nodes(Vec<NodeId>),
+    /// The host store (offload), uploaded to this device.
+    Host(Arc<HostStore>, Arc<Vec<(ParamId, usize)>>, B::Device),
+}
+
 #[derive(Debug)]
 struct RetroGather<B: Backend> {
-    sources: Vec<NodeId>,
+    sources: Sources<B>,
     unit: Arc<UnitComm<B>>,
 }
 
 impl<B: Backend> RetroForward for RetroGather<B> {
     fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
-        let pieces = self.sources.iter().map(|id| states.get_state::<B::FloatTensorPrimitive>(id)).collect();
-        let full = self.unit.gather(flat_concat::<B>(pieces), Phase::BackwardGather);
+        let shard = match &self.sources {
+            Sources::Nodes(ids) => flat_concat::<B>(
+                ids.iter().map(|id| states.get_state::<B::FloatTensorPrimitive>(id)).collect(),
+            ),
+            Sources::Host(host, ids, device) => {
+                let ids: Vec<ParamId> = ids.iter().map(|(id, _)| *id).collect();
+                host.upload::<B>(&ids, device)
+            }
+        };
+        let full = self.unit.gather(shard, Phase::BackwardGather);
         states.save(out_node, full.into_primitive().tensor());
     }
 }
@@ -141,7 +179,12 @@ fn register<B: Backend, C: CheckpointStrategy, const N: usize>(
         Err(_) => unreachable!("dispatched on the parent count"),
     };
     let nodes = parents.map(|p| p.node.clone());
-    let sources = parents[..n_sources].iter().map(|p| p.node.id).collect();
+    let sources = match &kind {
+        Parents::Host(host, ids) => {
+            Sources::Host(host.clone(), ids.clone(), B::float_device(&parents[0].primitive))
+        }
+        _ => Sources::Nodes(parents[..n_sources].iter().map(|p| p.node.id).collect()),
+    };
     let prep = GatherBackward { unit: unit.clone(), parents: kind }.prepare::<C>(nodes);
     let ops = if recompute {
         prep.memory_bound().retro_forward(RetroGather { sources, unit }).parents(parents).stateful()
@@ -193,6 +236,21 @@ impl<B: Backend, C: CheckpointStrategy> FsdpBackend for Autodiff<B, C> {
             (&parents, n_sources, kind, unit, recompute, output),
             [1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32]
         )
+    }
+
+    fn fsdp_all_gather_offloaded(
+        anchor: FloatTensor<Self>,
+        unit: Arc<UnitComm<B>>,
+        host: Arc<HostStore>,
+        ids: Arc<Vec<(ParamId, usize)>>,
+        recompute: bool,
+    ) -> FloatTensor<Self> {
+        let device = B::float_device(&anchor.primitive);
+        let keys: Vec<ParamId> = ids.iter().map(|(id, _)| *id).collect();
+        let shard = host.upload::<B>(&keys, &device);
+        let output = unit.gather(shard, Phase::ForwardGather).into_primitive().tensor();
+        let kind = Parents::Host(host, ids);
+        register::<B, C, 1>(&[&anchor], 0, kind, unit, recompute, output)
     }
 
     fn recomputes() -> bool {

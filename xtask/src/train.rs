@@ -11,6 +11,7 @@ use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::Backend as _;
 use burn::tensor::{DType, ElementConversion};
 use burn_fsdp::checkpoint::{CheckpointIndex, INDEX_FILE, read_index};
+use burn_fsdp::offload::OffloadPolicy;
 use burn_fsdp::{
     AdamWConfig, DeviceMesh, Fsdp, FsdpConfig, MixedPrecisionPolicy, ReduceOp, clip_grad_norm, launch,
 };
@@ -93,6 +94,11 @@ pub struct TrainArgs {
     /// model.safetensors) into this directory.
     #[arg(long)]
     pub export: Option<PathBuf>,
+    /// CPU offload (FSDP2's CPUOffloadPolicy): shards, gradients and AdamW state live in a
+    /// host store; each unit's shard is uploaded for its all-gather, gradients come back after
+    /// the reduce-scatter, and the optimizer steps on the host.
+    #[arg(long)]
+    pub offload: bool,
     /// FSDP2 MixedPrecisionPolicy: `bf16` all-gathers and computes in bf16 and reduces
     /// gradients in fp32, on master fp32 shards (runs on burn's Flex CPU backend, which has
     /// bf16); `fp32` (the default) changes nothing.
@@ -181,6 +187,9 @@ pub fn setup(args: &TrainArgs) -> Result<Setup> {
     }
     if args.grad_accum == 0 {
         bail!("--grad-accum must be at least 1");
+    }
+    if args.no_fsdp && args.offload {
+        bail!("--offload is an FSDP policy; use --world-size N (1 is fine) instead of --no-fsdp");
     }
     if args.no_fsdp && (args.save_dir.is_some() || args.resume.is_some()) {
         bail!(
@@ -452,8 +461,12 @@ pub fn train_fsdp<B: burn::tensor::backend::Backend>(
             MixedPrecisionPolicy { param_dtype: Some(DType::BF16), reduce_dtype: Some(DType::F32) }
         }
     };
-    let fsdp_config =
-        FsdpConfig { reshard_after_forward: args.reshard_after_forward, mp_policy, ..FsdpConfig::default() };
+    let fsdp_config = FsdpConfig {
+        reshard_after_forward: args.reshard_after_forward,
+        mp_policy,
+        offload: OffloadPolicy { enabled: args.offload },
+        ..FsdpConfig::default()
+    };
     let results = launch(world, COLLECTIVE_TIMEOUT, |group| -> Result<Vec<StepMetrics>> {
         let device = B::Device::default();
         let rank = group.rank();

@@ -1,0 +1,193 @@
+//! CPU offload (FSDP2's `CPUOffloadPolicy`): shards, gradients and optimizer state on the host.
+//!
+//! With offload, the sharded module keeps no parameter data on the compute device (its
+//! parameters are zero-row placeholders). A unit's shards are uploaded from the [`HostStore`]
+//! right before its all-gather (and again for a re-gather in backward), the reduce-scattered
+//! gradient is copied back into the store as soon as the unit's backward ends, and AdamW steps
+//! the host copies with exactly the arithmetic of [`AdamW`](crate::AdamW). So between steps
+//! the device holds nothing of the model, and during a step about one unit.
+//!
+//! Ordering: every device → host copy here is `Tensor::into_data`, which on Burn's backends
+//! waits for the work queued before it on the tensor's stream; every host → device copy is a
+//! fresh `Tensor::from_data`. Collectives of this crate run on that same stream, so a copy
+//! never overtakes the reduce-scatter that produced its data.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use burn::module::ParamId;
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Tensor, TensorData};
+
+use crate::optim::AdamWConfig;
+
+/// FSDP2's `CPUOffloadPolicy`: keep shards, gradients and optimizer state on the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct OffloadPolicy {
+    /// Whether offloading is on.
+    pub enabled: bool,
+}
+
+/// AdamW state of one parameter, on the host.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostAdam {
+    /// Updates applied so far.
+    pub step: u64,
+    /// Running average of the gradient (padded flat shard).
+    pub exp_avg: Vec<f32>,
+    /// Running average of the squared gradient (padded flat shard).
+    pub exp_avg_sq: Vec<f32>,
+}
+
+/// One parameter's host copies (padded flat shards).
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostParam {
+    /// The master shard.
+    pub shard: Vec<f32>,
+    /// The reduced gradient of the current step, if backward has produced it.
+    pub grad: Option<Vec<f32>>,
+    /// Optimizer state.
+    pub adam: Option<HostAdam>,
+}
+
+/// Host memory holding every offloaded shard of one rank.
+#[derive(Debug, Default)]
+pub struct HostStore {
+    params: Mutex<HashMap<ParamId, HostParam>>,
+}
+
+/// Bytes held by a [`HostStore`], by kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct HostBytes {
+    /// Master shards.
+    pub params: usize,
+    /// Gradients.
+    pub grads: usize,
+    /// Optimizer state.
+    pub optimizer: usize,
+}
+
+impl HostStore {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<ParamId, HostParam>> {
+        // Every update replaces whole entries, so a poisoned lock holds consistent data.
+        self.params.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Stores a parameter's shard (replacing what was there, gradient and state included).
+    pub fn insert(&self, id: ParamId, shard: Vec<f32>) {
+        self.lock().insert(id, HostParam { shard, grad: None, adam: None });
+    }
+
+    /// A copy of one parameter's host data.
+    pub fn get(&self, id: ParamId) -> Option<HostParam> {
+        self.lock().get(&id).cloned()
+    }
+
+    /// Replaces one parameter's host data (checkpoint loading).
+    pub fn set(&self, id: ParamId, param: HostParam) {
+        self.lock().insert(id, param);
+    }
+
+    /// Host → device: the concatenated shards of `ids` as one flat fp32 tensor.
+    pub fn upload<B: Backend>(&self, ids: &[ParamId], device: &B::Device) -> Tensor<B, 1> {
+        let store = self.lock();
+        let mut flat = Vec::new();
+        for id in ids {
+            if let Some(p) = store.get(id) {
+                flat.extend_from_slice(&p.shard);
+            }
+        }
+        let n = flat.len();
+        Tensor::from_data(TensorData::new(flat, [n]), (device, DType::F32))
+    }
+
+    /// Device → host: splits a unit's flat shard gradient over `ids` (with their lengths) and
+    /// adds it to the stored gradients.
+    pub fn accumulate_grad<B: Backend>(&self, ids: &[(ParamId, usize)], grad: Tensor<B, 1>) {
+        let values = grad.into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default();
+        let mut store = self.lock();
+        let mut offset = 0;
+        for (id, len) in ids {
+            let piece = &values[offset.min(values.len())..(offset + len).min(values.len())];
+            offset += len;
+            let Some(p) = store.get_mut(id) else { continue };
+            match &mut p.grad {
+                Some(g) => g.iter_mut().zip(piece).for_each(|(a, b)| *a += b),
+                None => p.grad = Some(piece.to_vec()),
+            }
+        }
+    }
+
+    /// Sum of squares of the stored gradients (the local part of the global norm).
+    pub fn grad_sq_sum(&self) -> f64 {
+        // f64 accumulation: a sequential f32 sum over a large shard would drift by ~1e-6.
+        self.lock()
+            .values()
+            .filter_map(|p| p.grad.as_ref())
+            .map(|g| g.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>())
+            .sum()
+    }
+
+    /// Multiplies every stored gradient by `factor`.
+    pub fn scale_grads(&self, factor: f64) {
+        let f = factor as f32;
+        for p in self.lock().values_mut() {
+            if let Some(g) = &mut p.grad {
+                g.iter_mut().for_each(|x| *x *= f);
+            }
+        }
+    }
+
+    /// Whether any gradient is stored.
+    pub fn has_grads(&self) -> bool {
+        self.lock().values().any(|p| p.grad.is_some())
+    }
+
+    /// One AdamW step on every parameter with a gradient, on the host, then drops the
+    /// gradients. The arithmetic (f32, operation by operation) is that of
+    /// [`AdamW::update_tensor`](crate::AdamW::update_tensor), so offloaded and on-device
+    /// training agree.
+    pub fn adam_step(&self, config: &AdamWConfig) {
+        let AdamWConfig { lr, betas: (b1, b2), eps, weight_decay } = *config;
+        for p in self.lock().values_mut() {
+            let Some(g) = p.grad.take() else { continue };
+            let n = g.len();
+            let state = p.adam.take().unwrap_or_else(|| HostAdam {
+                step: 0,
+                exp_avg: vec![0.0; n],
+                exp_avg_sq: vec![0.0; n],
+            });
+            let step = state.step + 1;
+            let (mut m, mut v) = (state.exp_avg, state.exp_avg_sq);
+            let decay = (1.0 - lr * weight_decay) as f32;
+            let (b1c, b2f, b2c) = ((1.0 - b1) as f32, b2 as f32, (1.0 - b2) as f32);
+            let bias_correction1 = 1.0 - b1.powi(step as i32);
+            let bias_correction2 = 1.0 - b2.powi(step as i32);
+            let step_size = (lr / bias_correction1) as f32;
+            let bc2_sqrt = bias_correction2.sqrt() as f32;
+            let eps = eps as f32;
+            for i in 0..n {
+                if weight_decay != 0.0 {
+                    p.shard[i] *= decay;
+                }
+                m[i] += (g[i] - m[i]) * b1c;
+                v[i] = v[i] * b2f + (g[i] * g[i]) * b2c;
+                let denom = v[i].sqrt() / bc2_sqrt + eps;
+                p.shard[i] -= (m[i] / denom) * step_size;
+            }
+            p.adam = Some(HostAdam { step, exp_avg: m, exp_avg_sq: v });
+        }
+    }
+
+    /// Bytes held, by kind.
+    pub fn bytes(&self) -> HostBytes {
+        let store = self.lock();
+        let mut b = HostBytes::default();
+        for p in store.values() {
+            b.params += 4 * p.shard.len();
+            b.grads += 4 * p.grad.as_ref().map_or(0, Vec::len);
+            b.optimizer += p.adam.as_ref().map_or(0, |a| 4 * (a.exp_avg.len() + a.exp_avg_sq.len()));
+        }
+        b
+    }
+}
