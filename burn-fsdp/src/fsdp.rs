@@ -57,13 +57,16 @@ impl UnitPolicy {
 
 /// FSDP2's `MixedPrecisionPolicy`: master shards stay in their own dtype (fp32); the
 /// all-gather and compute run in `param_dtype`, gradients are reduce-scattered in
-/// `reduce_dtype`. `None` keeps the parameter's dtype.
+/// `reduce_dtype`, and each unit's output is cast to `output_dtype`. `None` keeps the dtype.
+/// As FSDP2's `cast_forward_inputs`, a unit's floating-point input is cast to `param_dtype`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct MixedPrecisionPolicy {
-    /// dtype of all-gathered parameters and of compute.
+    /// dtype of all-gathered parameters, of unit inputs and of compute.
     pub param_dtype: Option<DType>,
     /// dtype of the gradient reduce-scatter.
     pub reduce_dtype: Option<DType>,
+    /// dtype each unit's output is cast to.
+    pub output_dtype: Option<DType>,
 }
 
 /// Options of [`Fsdp::wrap`] (FSDP2 names).
@@ -733,7 +736,16 @@ impl<B: FsdpBackend, M: Module<B>> UnitRunner<B> for FsdpRunner<'_, B, M> {
         let u = self.fsdp.unit_of_module(unit);
         let anchor = x.clone().into_primitive().tensor();
         let view = self.fsdp.gather_view(unit.clone(), u, Some(anchor));
-        f(&view, x)
+        let policy = self.fsdp.config.mp_policy;
+        let x = match policy.param_dtype {
+            Some(dt) if x.dtype() != dt => x.cast(dt),
+            _ => x,
+        };
+        let y = f(&view, x);
+        match policy.output_dtype {
+            Some(dt) if y.dtype() != dt => y.cast(dt),
+            _ => y,
+        }
     }
 }
 

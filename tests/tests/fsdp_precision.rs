@@ -12,8 +12,11 @@ use tests::{max_rel_diff, reference, train_args};
 
 type FlexAd = Autodiff<Flex<f32>, BalancedCheckpointing>;
 
-const BF16: MixedPrecisionPolicy =
-    MixedPrecisionPolicy { param_dtype: Some(DType::BF16), reduce_dtype: Some(DType::F32) };
+const BF16: MixedPrecisionPolicy = MixedPrecisionPolicy {
+    param_dtype: Some(DType::BF16),
+    reduce_dtype: Some(DType::F32),
+    output_dtype: None,
+};
 
 fn run(extra: &[&str]) -> (Vec<f64>, Vec<f64>) {
     let m = xtask::train::run(&train_args("qwen3-tiny-a", extra)).unwrap();
@@ -156,4 +159,30 @@ fn units_compute_in_bf16_on_bf16_parameters() {
         assert_eq!(s.len(), 2 * 4, "2 blocks × (3 parameters + input)");
         assert!(s.iter().all(|d| *d == DType::BF16), "{s:?}");
     }
+}
+
+#[test]
+fn unit_inputs_are_cast_to_param_dtype_and_outputs_to_output_dtype() {
+    let policy = MixedPrecisionPolicy { output_dtype: Some(DType::F32), ..BF16 };
+    let out = launch(1, Duration::from_secs(60), |group| {
+        let device = Default::default();
+        let mesh = DeviceMesh::new_1d(group, device);
+        let fsdp = Fsdp::wrap(
+            Toy::<FlexAd>::new(1, &device),
+            &mesh,
+            FsdpConfig { mp_policy: policy, ..Default::default() },
+        )?;
+        let x = burn::tensor::Tensor::<FlexAd, 2>::ones([2, 15], &device);
+        let (seen_in, out_dtype) = fsdp.forward(|m, r| {
+            let mut seen = None;
+            let y = burn_fsdp::UnitRunner::run(r, &m.blocks[0], x.clone(), |_, x| {
+                seen = Some(x.dtype());
+                x
+            });
+            (seen, y.dtype())
+        });
+        Ok::<_, burn_fsdp::FsdpError>((seen_in, out_dtype))
+    })
+    .unwrap();
+    assert_eq!(out[0], (Some(DType::BF16), DType::F32));
 }

@@ -457,9 +457,11 @@ pub fn train_fsdp<B: burn::tensor::backend::Backend>(
     let rows_per_micro = rows_per_rank / micro;
     let mp_policy = match args.mixed_precision {
         Precision::Fp32 => MixedPrecisionPolicy::default(),
-        Precision::Bf16 => {
-            MixedPrecisionPolicy { param_dtype: Some(DType::BF16), reduce_dtype: Some(DType::F32) }
-        }
+        Precision::Bf16 => MixedPrecisionPolicy {
+            param_dtype: Some(DType::BF16),
+            reduce_dtype: Some(DType::F32),
+            output_dtype: None,
+        },
     };
     let fsdp_config = FsdpConfig {
         reshard_after_forward: args.reshard_after_forward,
