@@ -10,18 +10,22 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::{DType, Tensor};
 
 use crate::comm::{CollectiveKind, CommCounters, CommError, CommStats, ProcessGroup, ReduceOp, Tag};
 
 /// Default collective timeout.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// What a rank contributes: its tensor itself (ranks are threads of one process, so the
+/// tensor is shared, not serialised; the receiving ranks combine them with backend ops).
+type Payload = Arc<dyn std::any::Any + Send + Sync>;
+
 struct Round {
     kind: CollectiveKind,
     tag: Tag,
     first_rank: usize,
-    inputs: Vec<Option<Arc<TensorData>>>,
+    inputs: Vec<Option<Payload>>,
     arrived: usize,
     left: usize,
 }
@@ -100,9 +104,9 @@ impl LocalGroup {
         &self,
         kind: CollectiveKind,
         tag: &Tag,
-        input: TensorData,
-    ) -> Result<Vec<Arc<TensorData>>, CommError> {
-        let bytes = input.as_bytes().len() as u64;
+        input: Payload,
+        bytes: u64,
+    ) -> Result<Vec<Payload>, CommError> {
         self.counters.record(kind, bytes);
         let seq = self.next_seq();
         let size = self.shared.size;
@@ -130,7 +134,7 @@ impl LocalGroup {
             self.shared.cv.notify_all();
             return Err(err);
         }
-        round.inputs[self.rank] = Some(Arc::new(input));
+        round.inputs[self.rank] = Some(input);
         round.arrived += 1;
         self.shared.cv.notify_all();
         let deadline = Instant::now() + self.shared.timeout;
@@ -141,7 +145,7 @@ impl LocalGroup {
             let round =
                 st.rounds.get_mut(&seq).ok_or_else(|| self.bad(kind, tag, "round vanished".into()))?;
             if round.arrived == size {
-                let inputs: Vec<Arc<TensorData>> = round.inputs.iter().flatten().cloned().collect();
+                let inputs: Vec<Payload> = round.inputs.iter().flatten().cloned().collect();
                 round.left += 1;
                 if round.left == size {
                     st.rounds.remove(&seq);
@@ -181,69 +185,67 @@ impl LocalGroup {
         CommError::BadInput { kind, tag: tag.clone(), rank: self.rank, msg }
     }
 
-    fn same_len(
+    /// The tensors of a round, on this rank's device, checked to have equal sizes and dtypes.
+    fn tensors<B: Backend>(
         &self,
         kind: CollectiveKind,
         tag: &Tag,
-        inputs: &[Arc<TensorData>],
-    ) -> Result<usize, CommError> {
-        let n = inputs[0].num_elements();
-        let dtype = inputs[0].dtype;
-        for (r, i) in inputs.iter().enumerate() {
-            if i.num_elements() != n || i.dtype != dtype {
+        inputs: Vec<Payload>,
+        device: &B::Device,
+    ) -> Result<Vec<Tensor<B, 1>>, CommError> {
+        let mut out = Vec::with_capacity(inputs.len());
+        for (r, p) in inputs.into_iter().enumerate() {
+            let Some(t) = p.downcast_ref::<Tensor<B, 1>>() else {
+                return Err(self.bad(kind, tag, format!("rank {r} contributed a tensor of another backend")));
+            };
+            out.push(t.clone().to_device(device));
+        }
+        let (n, dtype) = (out[0].shape().num_elements(), out[0].dtype());
+        for (r, t) in out.iter().enumerate() {
+            if t.shape().num_elements() != n || t.dtype() != dtype {
                 return Err(self.bad(
                     kind,
                     tag,
                     format!(
                         "rank {r} contributed {} elements of {:?}, rank 0 {n} of {dtype:?}",
-                        i.num_elements(),
-                        i.dtype
+                        t.shape().num_elements(),
+                        t.dtype()
                     ),
                 ));
             }
         }
-        Ok(n)
+        Ok(out)
     }
 }
 
-/// `range` of `d` as f32 values (borrowed when `d` already holds f32).
-fn f32_range(d: &TensorData, range: std::ops::Range<usize>) -> std::borrow::Cow<'_, [f32]> {
-    match d.as_slice::<f32>() {
-        Ok(s) if d.dtype == DType::F32 => std::borrow::Cow::Borrowed(&s[range]),
-        _ => {
-            let all = d.clone().convert::<f32>().to_vec::<f32>().unwrap_or_default();
-            std::borrow::Cow::Owned(all[range].to_vec())
-        }
-    }
+fn payload_bytes<B: Backend>(t: &Tensor<B, 1>) -> u64 {
+    (t.shape().num_elements() * t.dtype().size()) as u64
 }
 
-fn reduce_into(acc: &mut [f32], x: &[f32], op: ReduceOp) {
-    match op {
-        ReduceOp::Sum | ReduceOp::Avg => acc.iter_mut().zip(x).for_each(|(a, b)| *a += b),
-        ReduceOp::Max => acc.iter_mut().zip(x).for_each(|(a, b)| *a = a.max(*b)),
-    }
-}
-
-/// Reduces `range` of every input in rank order (the same order on every rank, so all ranks
-/// get bit-identical results).
-fn reduce_range(inputs: &[Arc<TensorData>], range: std::ops::Range<usize>, op: ReduceOp) -> Vec<f32> {
-    let mut acc = f32_range(&inputs[0], range.clone()).into_owned();
-    for i in &inputs[1..] {
-        reduce_into(&mut acc, &f32_range(i, range.clone()), op);
+/// Reduces `range` of every tensor in rank order (the same order on every rank, so all ranks
+/// get bit-identical results). Sub-f32 dtypes are accumulated in f32 and rounded once.
+fn reduce_range<B: Backend>(
+    tensors: &[Tensor<B, 1>],
+    range: std::ops::Range<usize>,
+    op: ReduceOp,
+) -> Tensor<B, 1> {
+    let dtype = tensors[0].dtype();
+    let widen = matches!(dtype, DType::BF16 | DType::F16);
+    let part = |t: &Tensor<B, 1>| {
+        let p = t.clone().slice(range.clone());
+        if widen { p.cast(DType::F32) } else { p }
+    };
+    let mut acc = part(&tensors[0]);
+    for t in &tensors[1..] {
+        acc = match op {
+            ReduceOp::Sum | ReduceOp::Avg => acc + part(t),
+            ReduceOp::Max => acc.max_pair(part(t)),
+        };
     }
     if op == ReduceOp::Avg {
-        let w = inputs.len() as f32;
-        acc.iter_mut().for_each(|a| *a /= w);
+        acc = acc.div_scalar(tensors.len() as f64);
     }
-    acc
-}
-
-fn from_f32<B: Backend>(v: Vec<f32>, dtype: DType, device: &B::Device) -> Tensor<B, 1> {
-    let n = v.len();
-    let data = TensorData::new(v, [n]);
-    let data = if dtype == DType::F32 { data } else { data.convert_dtype(dtype) };
-    // Explicit dtype: the backend's default float type would otherwise be imposed.
-    Tensor::from_data(data, (device, dtype))
+    if widen { acc.cast(dtype) } else { acc }
 }
 
 impl<B: Backend> ProcessGroup<B> for LocalGroup {
@@ -265,15 +267,10 @@ impl<B: Backend> ProcessGroup<B> for LocalGroup {
         }
         let kind = CollectiveKind::AllGather;
         let device = input.device();
-        let inputs = self.exchange(kind, tag, input.into_data())?;
-        let n = self.same_len(kind, tag, &inputs)?;
-        let mut bytes = Vec::with_capacity(inputs.iter().map(|i| i.as_bytes().len()).sum());
-        for i in &inputs {
-            bytes.extend_from_slice(i.as_bytes());
-        }
-        let dtype = inputs[0].dtype;
-        let data = TensorData::from_bytes_vec(bytes, [n * inputs.len()], dtype);
-        Ok(Tensor::from_data(data, (&device, dtype)))
+        let bytes = payload_bytes(&input);
+        let inputs = self.exchange(kind, tag, Arc::new(input), bytes)?;
+        let tensors = self.tensors::<B>(kind, tag, inputs, &device)?;
+        Ok(Tensor::cat(tensors, 0))
     }
 
     fn reduce_scatter(
@@ -288,14 +285,15 @@ impl<B: Backend> ProcessGroup<B> for LocalGroup {
         let kind = CollectiveKind::ReduceScatter;
         let size = self.shared.size;
         let device = input.device();
-        let inputs = self.exchange(kind, tag, input.into_data())?;
-        let total = self.same_len(kind, tag, &inputs)?;
-        if total % size != 0 {
+        let total = input.shape().num_elements();
+        if !total.is_multiple_of(size) {
             return Err(self.bad(kind, tag, format!("{total} elements do not split into {size} chunks")));
         }
+        let bytes = payload_bytes(&input);
+        let inputs = self.exchange(kind, tag, Arc::new(input), bytes)?;
+        let tensors = self.tensors::<B>(kind, tag, inputs, &device)?;
         let n = total / size;
-        let out = reduce_range(&inputs, self.rank * n..(self.rank + 1) * n, op);
-        Ok(from_f32(out, inputs[0].dtype, &device))
+        Ok(reduce_range(&tensors, self.rank * n..(self.rank + 1) * n, op))
     }
 
     fn all_reduce(&self, input: Tensor<B, 1>, op: ReduceOp, tag: &Tag) -> Result<Tensor<B, 1>, CommError> {
@@ -304,9 +302,11 @@ impl<B: Backend> ProcessGroup<B> for LocalGroup {
         }
         let kind = CollectiveKind::AllReduce;
         let device = input.device();
-        let inputs = self.exchange(kind, tag, input.into_data())?;
-        let n = self.same_len(kind, tag, &inputs)?;
-        Ok(from_f32(reduce_range(&inputs, 0..n, op), inputs[0].dtype, &device))
+        let n = input.shape().num_elements();
+        let bytes = payload_bytes(&input);
+        let inputs = self.exchange(kind, tag, Arc::new(input), bytes)?;
+        let tensors = self.tensors::<B>(kind, tag, inputs, &device)?;
+        Ok(reduce_range(&tensors, 0..n, op))
     }
 
     fn broadcast(&self, input: Tensor<B, 1>, root: usize, tag: &Tag) -> Result<Tensor<B, 1>, CommError> {
@@ -322,17 +322,17 @@ impl<B: Backend> ProcessGroup<B> for LocalGroup {
             ));
         }
         let device = input.device();
-        let inputs = self.exchange(kind, tag, input.into_data())?;
-        let data = (*inputs[root]).clone();
-        let dtype = data.dtype;
-        Ok(Tensor::from_data(data, (&device, dtype)))
+        let bytes = payload_bytes(&input);
+        let inputs = self.exchange(kind, tag, Arc::new(input), bytes)?;
+        let mut tensors = self.tensors::<B>(kind, tag, inputs, &device)?;
+        Ok(tensors.swap_remove(root))
     }
 
     fn barrier(&self, tag: &Tag) -> Result<(), CommError> {
         if self.shared.size == 1 {
             return Ok(());
         }
-        self.exchange(CollectiveKind::Barrier, tag, TensorData::new(Vec::<f32>::new(), [0])).map(|_| ())
+        self.exchange(CollectiveKind::Barrier, tag, Arc::new(()), 0).map(|_| ())
     }
 
     fn abort(&self, reason: &str) {
@@ -442,6 +442,7 @@ where
 mod tests {
     use super::*;
     use burn::backend::NdArray;
+    use burn::tensor::TensorData;
 
     type B = NdArray<f32>;
 

@@ -1,6 +1,7 @@
 //! The project's commands (`cargo xtask …`), as a library so that tests run exactly what
 //! users run.
 
+pub mod bench;
 pub mod consolidate;
 pub mod data;
 pub mod generate;

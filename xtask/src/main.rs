@@ -17,6 +17,8 @@ enum Command {
     /// Write the logits of a checkpoint for the `input_ids` of a safetensors file.
     #[command(name = "qwen3-logits")]
     Qwen3Logits(xtask::logits::LogitsArgs),
+    /// Benchmarks: FSDP vs single-device throughput, collective vs memcpy bandwidth.
+    Bench(xtask::bench::BenchArgs),
     /// Continue a prompt with a Qwen3 checkpoint (KV cache, Qwen3 tokenizer).
     Generate(xtask::generate::GenerateArgs),
     /// Turn a sharded FSDP checkpoint into one HF checkpoint (config.json + model.safetensors).
@@ -29,6 +31,7 @@ fn main() {
         Command::TrainQwen3(args) => xtask::train::run(&args).map(|_| ()),
         Command::Qwen3Logits(args) => xtask::logits::run(&args),
         Command::Consolidate(args) => xtask::consolidate::run(&args),
+        Command::Bench(args) => xtask::bench::run(&args).map(|_| ()),
         Command::Generate(args) => xtask::generate::run(&args).map(|text| println!("{text}")),
     };
     if let Err(e) = result {
