@@ -54,13 +54,13 @@ fn tokens_per_sec(
     Ok(tokens * steps as f64 / secs)
 }
 
-/// The ~50M-parameter Qwen3 of the benchmark.
+/// The ~50M-parameter Qwen3 of the benchmark (48.3M: 14 layers of width 512, vocab 8192).
 pub fn qwen3_50m() -> Qwen3Config {
     Qwen3Config {
         vocab_size: 8192,
         hidden_size: 512,
         intermediate_size: 1536,
-        num_hidden_layers: 8,
+        num_hidden_layers: 14,
         num_attention_heads: 8,
         num_key_value_heads: 4,
         head_dim: 64,
