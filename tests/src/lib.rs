@@ -70,7 +70,20 @@ pub fn train_args(case: &str, extra: &[&str]) -> xtask::train::TrainArgs {
     parse_train(&argv).unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// Parses a `train-qwen3` command line (first element: the command name).
+/// Parses a `train-qwen3` command line (first element: the command name). Without
+/// `--out-dir`, the run's files go to a fresh directory under the system temp dir.
 pub fn parse_train(argv: &[&str]) -> Result<xtask::train::TrainArgs, String> {
-    xtask::train::TrainArgs::parse_from_args(argv).map_err(|e| e.to_string())
+    let mut args = xtask::train::TrainArgs::parse_from_args(argv).map_err(|e| e.to_string())?;
+    if args.out_dir.is_none() {
+        args.out_dir = Some(scratch_dir());
+    }
+    Ok(args)
+}
+
+/// A fresh directory under the system temp dir (not removed: the OS cleans it).
+pub fn scratch_dir() -> PathBuf {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    std::env::temp_dir().join(format!("burn-fsdp-tests/{}-{n}", std::process::id()))
 }

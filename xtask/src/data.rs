@@ -52,3 +52,86 @@ mod tests {
         assert_ne!(b, synthetic_batches(3, 4, 64, 97, 8));
     }
 }
+
+/// Token rows packed from a text corpus: `--data FILE.txt|FILE.jsonl` with a tokenizer.
+pub mod text {
+    use std::path::Path;
+
+    use anyhow::{Context, Result, bail};
+    use qwen3_burn::tokenizer::Tokenizer;
+    use qwen3_burn::train::Batches;
+
+    /// The documents of a `.txt` (one document) or `.jsonl` (one `{"text": …}` per line) file.
+    pub fn read_documents(path: &Path) -> Result<Vec<String>> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("--data {}", path.display()))?;
+        let is_jsonl = path.extension().is_some_and(|e| e == "jsonl");
+        if !is_jsonl {
+            return Ok(vec![text]);
+        }
+        let mut docs = Vec::new();
+        for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+            let v: serde_json::Value = serde_json::from_str(line)
+                .with_context(|| format!("--data {}: line {} is not JSON", path.display(), i + 1))?;
+            match v.get("text").and_then(|t| t.as_str()) {
+                Some(t) => docs.push(t.to_owned()),
+                None => bail!("--data {}: line {} has no string field \"text\"", path.display(), i + 1),
+            }
+        }
+        Ok(docs)
+    }
+
+    /// How packed rows are laid out into batches.
+    #[derive(Debug, Clone, Copy)]
+    pub struct Layout {
+        /// Tokens per row, minus one (inputs = row[..seq], labels = row[1..]).
+        pub seq: usize,
+        /// Number of steps.
+        pub steps: usize,
+        /// Rows of the global batch per step.
+        pub rows: usize,
+        /// Seed of the row shuffle.
+        pub seed: u64,
+    }
+
+    /// Tokenizes `docs` (each followed by `eos` when given), packs the stream into rows of
+    /// `seq + 1` tokens, shuffles the rows with `seed`, and lays out `steps` batches of `rows`.
+    /// `what` names the source in errors.
+    pub fn pack(
+        docs: &[String],
+        tokenizer: &Tokenizer,
+        eos: Option<u32>,
+        layout: Layout,
+        what: &str,
+    ) -> Result<Batches> {
+        let Layout { seq, steps, rows, seed } = layout;
+        let mut stream: Vec<i64> = Vec::new();
+        for d in docs {
+            stream.extend(tokenizer.encode(d)?.into_iter().map(i64::from));
+            if let Some(e) = eos {
+                stream.push(e as i64);
+            }
+        }
+        let width = seq + 1;
+        let available = stream.len() / width;
+        let needed = steps * rows;
+        if available < needed {
+            bail!(
+                "{what} holds {} tokens: {available} rows of {width} (--seq {seq} + 1), but {steps} steps × {rows} rows \
+                 need {needed}; lower --steps, --batch or --seq, or give more text",
+                stream.len()
+            );
+        }
+        let mut order: Vec<usize> = (0..available).collect();
+        let mut state = seed ^ 0xA076_1D64_78BD_642F;
+        for i in (1..order.len()).rev() {
+            state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            let j = ((state >> 33) as usize) % (i + 1);
+            order.swap(i, j);
+        }
+        let mut tokens = Vec::with_capacity(needed * width);
+        for &r in &order[..needed] {
+            tokens.extend_from_slice(&stream[r * width..(r + 1) * width]);
+        }
+        Ok(Batches { steps, rows, width, tokens })
+    }
+}

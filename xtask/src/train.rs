@@ -48,6 +48,23 @@ pub struct TrainArgs {
     /// Number of optimizer steps (default: all steps of --batches, or 50 on synthetic data).
     #[arg(long)]
     pub steps: Option<usize>,
+    /// Text to train on: a `.txt` file, or `.jsonl` with one `{"text": …}` per line;
+    /// tokenized with --tokenizer and packed into rows of --seq + 1 tokens, shuffled with
+    /// --seed. (Needs a model whose vocabulary covers the tokenizer, e.g. --preset 0.6b or a
+    /// Qwen3 checkpoint.)
+    #[arg(long, conflicts_with = "batches")]
+    pub data: Option<PathBuf>,
+    /// `tokenizer.json` for --data (default: the Qwen3 tokenizer shipped in tests/fixtures).
+    #[arg(long, requires = "data")]
+    pub tokenizer: Option<PathBuf>,
+    /// Directory for this run's metrics.jsonl and summary.json (default: runs/<timestamp>).
+    #[arg(long)]
+    pub out_dir: Option<PathBuf>,
+    /// After training, compare with a reference trajectory: `single` (rerun the same model
+    /// and data on one device without FSDP) or a JSON file with "losses" (and "grad_norms"),
+    /// like the PyTorch fixtures, or a metrics.jsonl.
+    #[arg(long)]
+    pub compare_to: Option<String>,
     /// Rows per rank per step, for synthetic data.
     #[arg(long, default_value_t = 2)]
     pub batch: usize,
@@ -165,6 +182,7 @@ pub struct StepMetrics {
 }
 
 /// The model and data a run starts from.
+#[derive(Clone)]
 pub struct Setup {
     /// Model config.
     pub config: Qwen3Config,
@@ -238,8 +256,32 @@ pub fn setup(args: &TrainArgs) -> Result<Setup> {
         }
     };
     let model = model.to_hf_tensors();
-    let batches = match &args.batches {
-        Some(path) => {
+    let batches = match (&args.batches, &args.data) {
+        (None, Some(path)) => {
+            let tok_path = args.tokenizer.clone().unwrap_or_else(crate::generate::default_tokenizer);
+            let tokenizer = qwen3_burn::tokenizer::Tokenizer::from_file(&tok_path)?;
+            let docs = crate::data::text::read_documents(path)?;
+            let eos = tokenizer.token_id("<|endoftext|>");
+            if args.batch == 0 || args.seq == 0 {
+                bail!("--batch and --seq must be at least 1");
+            }
+            let what = format!("--data {}", path.display());
+            let steps = args.steps.unwrap_or(SYNTHETIC_STEPS);
+            let layout =
+                crate::data::text::Layout { seq: args.seq, steps, rows: world * args.batch, seed: args.seed };
+            let b = crate::data::text::pack(&docs, &tokenizer, eos, layout, &what)?;
+            if b.max_token() as usize >= config.vocab_size {
+                bail!(
+                    "{what}: --tokenizer {} produces token ids up to {}, but the model's vocabulary has {} entries; \
+                     use a model that covers the tokenizer (e.g. --preset 0.6b, or a Qwen3 --checkpoint)",
+                    tok_path.display(),
+                    b.max_token(),
+                    config.vocab_size
+                );
+            }
+            b
+        }
+        (Some(path), _) => {
             let b = Batches::load(path)?;
             if b.min_token() < 0 || b.max_token() as usize >= config.vocab_size {
                 bail!(
@@ -252,7 +294,7 @@ pub fn setup(args: &TrainArgs) -> Result<Setup> {
             }
             b
         }
-        None => {
+        (None, None) => {
             if args.batch == 0 || args.seq == 0 {
                 bail!("--batch and --seq must be at least 1");
             }
@@ -318,14 +360,16 @@ pub fn resolve_checkpoint(dir: &std::path::Path) -> Result<(PathBuf, CheckpointI
     }
 }
 
-/// Where per-step metrics go: the `--metrics` file and the terminal. Shared by ranks.
+/// Where per-step metrics go: the metrics file and the terminal (a progress bar on a
+/// terminal, one line per step otherwise). Shared by ranks.
 pub struct MetricsSink {
     file: Mutex<Option<std::io::BufWriter<std::fs::File>>>,
     quiet: bool,
+    bar: Option<indicatif::ProgressBar>,
 }
 
 impl MetricsSink {
-    /// Opens `--metrics` (creating its directory) unless absent.
+    /// Opens the metrics file (creating its directory) unless `path` is `None`.
     pub fn new(path: Option<&std::path::Path>, quiet: bool) -> Result<Self> {
         let file = match path {
             Some(p) => {
@@ -338,7 +382,22 @@ impl MetricsSink {
             }
             None => None,
         };
-        Ok(Self { file: Mutex::new(file), quiet })
+        Ok(Self { file: Mutex::new(file), quiet, bar: None })
+    }
+
+    /// Shows a progress bar of `steps` steps when stdout is a terminal (and not quiet).
+    pub fn with_progress(mut self, steps: usize) -> Self {
+        use std::io::IsTerminal;
+        if !self.quiet && std::io::stdout().is_terminal() {
+            let bar = indicatif::ProgressBar::new(steps as u64);
+            let style = indicatif::ProgressStyle::with_template(
+                "{bar:30.cyan/blue} step {pos}/{len}  {msg}  [{elapsed_precise} < {eta_precise}]",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
+            bar.set_style(style);
+            self.bar = Some(bar);
+        }
+        self
     }
 
     /// Records one step.
@@ -348,56 +407,250 @@ impl MetricsSink {
             writeln!(w, "{}", serde_json::to_string(m)?)?;
             w.flush()?;
         }
-        if !self.quiet {
-            println!(
+        match (&self.bar, self.quiet) {
+            (Some(bar), _) => {
+                bar.set_message(format!(
+                    "loss {:.4}  grad_norm {:.3}  {:.0} tok/s",
+                    m.loss, m.grad_norm, m.tokens_per_sec
+                ));
+                bar.inc(1);
+            }
+            (None, false) => println!(
                 "step {:>4}  loss {:.6}  grad_norm {:.6}  {:.0} tok/s",
                 m.step, m.loss, m.grad_norm, m.tokens_per_sec
-            );
+            ),
+            (None, true) => {}
         }
         Ok(())
+    }
+
+    /// Closes the progress bar.
+    pub fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish();
+        }
+    }
+}
+
+/// `runs/<UTC timestamp>`, the default --out-dir.
+pub fn default_run_dir() -> PathBuf {
+    let secs =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    let name = format!("{y:04}{m:02}{d:02}-{:02}{:02}{:02}", rem / 3600, rem % 3600 / 60, rem % 60);
+    let mut dir = PathBuf::from("runs").join(&name);
+    let mut k = 1;
+    while dir.exists() {
+        dir = PathBuf::from("runs").join(format!("{name}-{k}"));
+        k += 1;
+    }
+    dir
+}
+
+/// A reference trajectory for `--compare-to`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Comparison {
+    /// What was compared with.
+    pub reference: String,
+    /// Reference losses per step (aligned with ours).
+    pub losses: Vec<f64>,
+    /// Reference grad norms per step, when known.
+    pub grad_norms: Vec<f64>,
+    /// Reference mean tokens/s, when known.
+    pub tokens_per_sec: Option<f64>,
+    /// Largest |ours − ref| / |ref| over the losses.
+    pub worst_loss_rel_diff: f64,
+    /// Largest relative difference of the grad norms (NaN when the reference has none).
+    pub worst_grad_norm_rel_diff: f64,
+    /// Our mean tokens/s over the reference's.
+    pub throughput_ratio: Option<f64>,
+}
+
+fn mean_tps(m: &[StepMetrics]) -> f64 {
+    m.iter().map(|m| m.tokens_per_sec).sum::<f64>() / m.len().max(1) as f64
+}
+
+fn worst_rel(a: &[f64], b: &[f64]) -> f64 {
+    if b.is_empty() {
+        return f64::NAN;
+    }
+    a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(f64::MIN_POSITIVE)).fold(0.0, f64::max)
+}
+
+/// Reads a reference trajectory file: PyTorch-fixture JSON (`losses`, `grad_norms`) or a
+/// metrics JSONL written by this command.
+pub fn read_reference(path: &std::path::Path) -> Result<(Vec<f64>, Vec<f64>, Option<f64>)> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("--compare-to {}", path.display()))?;
+    if let Ok(v) = serde_json::from_str::<serde_json::Value>(&text)
+        && let Some(l) = v.get("losses").and_then(|l| l.as_array())
+    {
+        let nums = |a: Option<&Vec<serde_json::Value>>| {
+            a.map(|a| a.iter().filter_map(|x| x.as_f64()).collect()).unwrap_or_default()
+        };
+        return Ok((nums(Some(l)), nums(v.get("grad_norms").and_then(|g| g.as_array())), None));
+    }
+    let mut losses = Vec::new();
+    let mut norms = Vec::new();
+    let mut tps = Vec::new();
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let v: serde_json::Value = serde_json::from_str(line).with_context(|| {
+            format!(
+                "--compare-to {}: line {} is neither JSON with \"losses\" nor a metrics line",
+                path.display(),
+                i + 1
+            )
+        })?;
+        let get = |k: &str| v.get(k).and_then(|x| x.as_f64());
+        let Some(l) = get("loss") else {
+            bail!("--compare-to {}: line {} has no \"loss\"", path.display(), i + 1);
+        };
+        losses.push(l);
+        norms.extend(get("grad_norm"));
+        tps.extend(get("tokens_per_sec"));
+    }
+    let tps = (!tps.is_empty()).then(|| tps.iter().sum::<f64>() / tps.len() as f64);
+    Ok((losses, norms, tps))
+}
+
+/// Builds the comparison of `ours` with a reference trajectory.
+pub fn compare(
+    reference: String,
+    ours: &[StepMetrics],
+    losses: Vec<f64>,
+    norms: Vec<f64>,
+    tps: Option<f64>,
+) -> Comparison {
+    let first = ours.first().map_or(0, |m| m.step);
+    let pick = |v: &[f64]| v.iter().skip(first).take(ours.len()).copied().collect::<Vec<f64>>();
+    let (losses, grad_norms) = (pick(&losses), pick(&norms));
+    let our_losses: Vec<f64> = ours.iter().map(|m| m.loss).collect();
+    let our_norms: Vec<f64> = ours.iter().map(|m| m.grad_norm).collect();
+    Comparison {
+        reference,
+        worst_loss_rel_diff: worst_rel(&our_losses[..losses.len().min(our_losses.len())], &losses),
+        worst_grad_norm_rel_diff: worst_rel(&our_norms[..grad_norms.len().min(our_norms.len())], &grad_norms),
+        throughput_ratio: tps.map(|t| mean_tps(ours) / t),
+        tokens_per_sec: tps,
+        losses,
+        grad_norms,
     }
 }
 
 /// Runs training as the flags say and returns the per-step metrics (also written to
-/// `--metrics`).
+/// `--metrics`, or `metrics.jsonl` in `--out-dir`, with a `summary.json` beside it).
 pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
-    let setup = setup(args)?;
-    let sink = MetricsSink::new(args.metrics.as_deref(), args.quiet)?;
-    if !args.quiet {
-        println!(
-            "train-qwen3: {} params, {} layers, {}, {} steps of {} rows × {} tokens",
-            setup.config.num_params(),
-            setup.config.num_hidden_layers,
-            if args.no_fsdp {
-                "single device (no FSDP)".to_owned()
-            } else {
-                format!("FSDP over {} in-process ranks", args.world())
-            },
-            setup.steps,
-            setup.batches.rows,
-            setup.batches.width - 1
+    if args.compare_to.as_deref() == Some("single") && args.resume.is_some() {
+        bail!(
+            "--compare-to single reruns from step 0 and cannot follow --resume; compare with a file instead"
         );
     }
+    let setup = setup(args)?;
+    let out_dir = args.out_dir.clone().unwrap_or_else(default_run_dir);
+    std::fs::create_dir_all(&out_dir).with_context(|| format!("creating --out-dir {}", out_dir.display()))?;
+    let metrics_path = args.metrics.clone().unwrap_or_else(|| out_dir.join("metrics.jsonl"));
+    let sink = MetricsSink::new(Some(&metrics_path), args.quiet)?.with_progress(setup.steps);
+    let reference_setup = (args.compare_to.as_deref() == Some("single")).then(|| setup.clone());
+    let (params, layers, world, steps) =
+        (setup.config.num_params(), setup.config.num_hidden_layers, args.world(), setup.steps);
+    let mode = if args.no_fsdp {
+        "single device (no FSDP)".to_owned()
+    } else {
+        format!("FSDP over {world} in-process ranks")
+    };
+    if !args.quiet {
+        println!(
+            "train-qwen3: {params} params, {layers} layers, {mode}, {steps} steps of {} rows × {} tokens → {}",
+            setup.batches.rows,
+            setup.batches.width - 1,
+            out_dir.display()
+        );
+    }
+    let config = setup.config.clone();
     let metrics = match (args.no_fsdp, args.mixed_precision) {
         (true, _) => train_single(args, setup, &sink)?,
         (false, Precision::Fp32) => train_fsdp::<Backend>(args, setup, &sink)?,
         // NdArray has no bf16; burn's Flex CPU backend does.
         (false, Precision::Bf16) => train_fsdp::<burn::backend::Flex<f32>>(args, setup, &sink)?,
     };
+    sink.finish();
+    let comparison = match (args.compare_to.as_deref(), reference_setup) {
+        (Some("single"), Some(reference)) => {
+            if !args.quiet {
+                println!("compare-to single: rerunning the same model and data on one device without FSDP…");
+            }
+            let quiet_sink = MetricsSink::new(None, true)?;
+            let single = train_single(args, reference, &quiet_sink)?;
+            let l = single.iter().map(|m| m.loss).collect();
+            let n = single.iter().map(|m| m.grad_norm).collect();
+            Some(compare("single device (no FSDP)".into(), &metrics, l, n, Some(mean_tps(&single))))
+        }
+        (Some(file), _) => {
+            let path = PathBuf::from(file);
+            let (l, n, tps) = read_reference(&path)?;
+            Some(compare(path.display().to_string(), &metrics, l, n, tps))
+        }
+        (None, _) => None,
+    };
+    let summary = serde_json::json!({
+        "mode": mode,
+        "world_size": world,
+        "params": params,
+        "steps": metrics.len(),
+        "first_step": metrics.first().map(|m| m.step),
+        "first_loss": metrics.first().map(|m| m.loss),
+        "last_loss": metrics.last().map(|m| m.loss),
+        "mean_tokens_per_sec": mean_tps(&metrics),
+        "model_config": config,
+        "metrics": metrics_path,
+        "comparison": comparison,
+    });
+    let summary_path = out_dir.join("summary.json");
+    std::fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
+        .with_context(|| format!("writing {}", summary_path.display()))?;
     if !args.quiet
         && let (Some(first), Some(last)) = (metrics.first(), metrics.last())
     {
-        let mean_tps = metrics.iter().map(|m| m.tokens_per_sec).sum::<f64>() / metrics.len() as f64;
         println!(
-            "done: {} steps, loss {:.4} → {:.4}, mean {:.0} tokens/s{}",
+            "done: {} steps, loss {:.4} → {:.4}, mean {:.0} tokens/s; {} and {}",
             metrics.len(),
             first.loss,
             last.loss,
-            mean_tps,
-            args.metrics.as_ref().map(|p| format!(", metrics in {}", p.display())).unwrap_or_default()
+            mean_tps(&metrics),
+            metrics_path.display(),
+            summary_path.display()
         );
+        if let Some(c) = &comparison {
+            print_comparison(first, last, c);
+        }
     }
     Ok(metrics)
+}
+
+fn print_comparison(first: &StepMetrics, last: &StepMetrics, c: &Comparison) {
+    println!("compared with {}:", c.reference);
+    println!("  {:<12} {:>12} {:>12}", "", "this run", "reference");
+    let (rf, rl) =
+        (c.losses.first().copied().unwrap_or(f64::NAN), c.losses.last().copied().unwrap_or(f64::NAN));
+    println!("  {:<12} {:>12.6} {:>12.6}", "first loss", first.loss, rf);
+    println!("  {:<12} {:>12.6} {:>12.6}", "last loss", last.loss, rl);
+    println!("  worst relative loss difference: {:.3e}", c.worst_loss_rel_diff);
+    if !c.worst_grad_norm_rel_diff.is_nan() {
+        println!("  worst relative grad-norm difference: {:.3e}", c.worst_grad_norm_rel_diff);
+    }
+    match c.throughput_ratio {
+        Some(r) => println!("  throughput ratio (this run / reference): {r:.3}"),
+        None => println!("  throughput ratio: n/a (the reference has no tokens/s)"),
+    }
 }
 
 /// Steps of the synthetic default run when `--steps` is not given.

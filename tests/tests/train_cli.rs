@@ -1,0 +1,195 @@
+//! `train-qwen3` as a tool: --out-dir, summary.json, --compare-to, --data.
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+
+use qwen3_burn::Qwen3Config;
+use tests::{fixture, parse_train, train_args};
+
+fn summary(dir: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn out_dir_holds_metrics_and_summary() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let o = out.display().to_string();
+    let m = xtask::train::run(&train_args(
+        "qwen3-tiny-a",
+        &["--world-size", "2", "--steps", "3", "--out-dir", &o],
+    ))
+    .unwrap();
+    let lines = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap().lines().count();
+    assert_eq!(lines, 3);
+    let s = summary(&out);
+    assert_eq!(s["steps"], 3);
+    assert_eq!(s["world_size"], 2);
+    assert_eq!(s["first_loss"].as_f64().unwrap(), m[0].loss);
+    assert_eq!(s["last_loss"].as_f64().unwrap(), m[2].loss);
+    assert!(s["mean_tokens_per_sec"].as_f64().unwrap() > 0.0);
+    assert!(s["comparison"].is_null());
+}
+
+#[test]
+fn default_out_dir_is_runs_timestamp() {
+    let d = xtask::train::default_run_dir();
+    let name = d.file_name().unwrap().to_string_lossy().into_owned();
+    assert!(d.starts_with("runs"), "{d:?}");
+    assert_eq!(name.len(), 15, "{name}");
+    assert!(name[..8].chars().all(|c| c.is_ascii_digit()) && &name[8..9] == "-", "{name}");
+}
+
+#[test]
+fn compare_to_single_reruns_and_reports() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = dir.path().display().to_string();
+    xtask::train::run(&train_args(
+        "qwen3-tiny-a",
+        &["--world-size", "4", "--steps", "5", "--compare-to", "single", "--out-dir", &o],
+    ))
+    .unwrap();
+    let c = &summary(dir.path())["comparison"];
+    assert_eq!(c["reference"], "single device (no FSDP)");
+    assert_eq!(c["losses"].as_array().unwrap().len(), 5);
+    assert!(c["worst_loss_rel_diff"].as_f64().unwrap() < 1e-4, "{c}");
+    assert!(c["worst_grad_norm_rel_diff"].as_f64().unwrap() < 1e-4, "{c}");
+    assert!(c["throughput_ratio"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn compare_to_a_pytorch_fixture_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = dir.path().display().to_string();
+    let f = fixture("qwen3-tiny-a/fsdp4.json").display().to_string();
+    xtask::train::run(&train_args(
+        "qwen3-tiny-a",
+        &["--world-size", "4", "--compare-to", &f, "--out-dir", &o],
+    ))
+    .unwrap();
+    let c = &summary(dir.path())["comparison"];
+    assert!(c["worst_loss_rel_diff"].as_f64().unwrap() < 1e-4, "{c}");
+    assert!(c["throughput_ratio"].is_null(), "the fixture has no tokens/s");
+    // And a file that is neither format is named in the error.
+    let bad = dir.path().join("bad.json");
+    std::fs::write(&bad, "{\"nothing\": 1}").unwrap();
+    let b = bad.display().to_string();
+    let e = xtask::train::run(&train_args(
+        "qwen3-tiny-a",
+        &["--world-size", "4", "--steps", "1", "--compare-to", &b],
+    ))
+    .unwrap_err();
+    assert!(format!("{e:#}").contains("bad.json"), "{e:#}");
+}
+
+/// A model small in everything but its vocabulary, which must cover the Qwen3 tokenizer.
+fn text_model(dir: &Path) -> String {
+    let config = Qwen3Config {
+        vocab_size: 151_936,
+        hidden_size: 16,
+        intermediate_size: 32,
+        num_hidden_layers: 1,
+        num_attention_heads: 2,
+        num_key_value_heads: 1,
+        head_dim: 8,
+        max_position_embeddings: 64,
+        rms_norm_eps: 1e-6,
+        rope_theta: 1e6,
+        tie_word_embeddings: true,
+    };
+    let ckpt = dir.join("model");
+    config.init::<xtask::Backend>(&xtask::device()).save(&config, &ckpt).unwrap();
+    ckpt.display().to_string()
+}
+
+const TEXT: &str = "Fully sharded data parallelism shards every parameter across ranks, \
+    gathers each unit before it runs and reduce-scatters its gradient afterwards. ";
+
+#[test]
+fn trains_on_text_and_jsonl() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = text_model(dir.path());
+    let txt = dir.path().join("corpus.txt");
+    std::fs::write(&txt, TEXT.repeat(20)).unwrap();
+    let jsonl = dir.path().join("corpus.jsonl");
+    let lines: Vec<String> =
+        (0..20).map(|i| serde_json::json!({"text": format!("{i}: {TEXT}")}).to_string()).collect();
+    std::fs::write(&jsonl, lines.join("\n")).unwrap();
+    for data in [&txt, &jsonl] {
+        let d = data.display().to_string();
+        let argv = [
+            "train-qwen3",
+            "--checkpoint",
+            &ckpt,
+            "--data",
+            &d,
+            "--world-size",
+            "2",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--steps",
+            "3",
+            "--quiet",
+        ];
+        let m = xtask::train::run(&parse_train(&argv).unwrap()).unwrap();
+        assert_eq!(m.len(), 3);
+        assert!(m.iter().all(|m| m.loss.is_finite() && m.loss > 5.0), "near ln(151936) ≈ 11.9 at the start");
+    }
+    // The same seed packs the same batches; another seed shuffles differently.
+    let d = txt.display().to_string();
+    let run = |seed: &str| {
+        let argv = [
+            "train-qwen3",
+            "--checkpoint",
+            &ckpt,
+            "--data",
+            &d,
+            "--no-fsdp",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--steps",
+            "1",
+            "--seed",
+            seed,
+            "--quiet",
+        ];
+        xtask::train::run(&parse_train(&argv).unwrap()).unwrap()[0].loss
+    };
+    assert_eq!(run("1"), run("1"));
+    assert_ne!(run("1"), run("2"));
+}
+
+#[test]
+fn text_data_errors_are_clear() {
+    let dir = tempfile::tempdir().unwrap();
+    let txt = dir.path().join("small.txt");
+    std::fs::write(&txt, TEXT).unwrap();
+    let d = txt.display().to_string();
+    // The tiny preset's 512-entry vocabulary cannot hold Qwen3 token ids.
+    let e = xtask::train::run(
+        &parse_train(&["train-qwen3", "--data", &d, "--no-fsdp", "--seq", "4", "--steps", "1", "--quiet"])
+            .unwrap(),
+    )
+    .unwrap_err();
+    let e = format!("{e:#}");
+    assert!(e.contains("vocabulary") && e.contains("tokenizer"), "{e}");
+    // Not enough text for the steps asked.
+    let e = xtask::train::run(
+        &parse_train(&["train-qwen3", "--data", &d, "--no-fsdp", "--steps", "50", "--quiet"]).unwrap(),
+    )
+    .unwrap_err();
+    assert!(format!("{e:#}").contains("--steps"), "{e:#}");
+    let bad = dir.path().join("bad.jsonl");
+    std::fs::write(&bad, "{\"text\": \"ok\"}\n{\"txt\": 3}\n").unwrap();
+    let b = bad.display().to_string();
+    let e = xtask::train::run(&parse_train(&["train-qwen3", "--data", &b, "--no-fsdp", "--quiet"]).unwrap())
+        .unwrap_err();
+    assert!(format!("{e:#}").contains("line 2"), "{e:#}");
+    // --data and --batches exclude each other; --tokenizer needs --data.
+    assert!(parse_train(&["train-qwen3", "--data", "a.txt", "--batches", "b.safetensors"]).is_err());
+    assert!(parse_train(&["train-qwen3", "--tokenizer", "t.json"]).unwrap_err().contains("--data"));
+}
