@@ -29,6 +29,8 @@ fn out_dir_holds_metrics_and_summary() {
     assert_eq!(s["last_loss"].as_f64().unwrap(), m[2].loss);
     assert!(s["mean_tokens_per_sec"].as_f64().unwrap() > 0.0);
     assert!(s["comparison"].is_null());
+    let png = std::fs::read(out.join("loss.png")).unwrap();
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "loss.png is a PNG");
 }
 
 #[test]

@@ -6,6 +6,7 @@ pub mod consolidate;
 pub mod data;
 pub mod generate;
 pub mod logits;
+pub mod plot;
 pub mod train;
 
 /// The CPU backend every command runs on.

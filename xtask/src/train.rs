@@ -601,6 +601,16 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
         }
         (None, _) => None,
     };
+    let png = out_dir.join("loss.png");
+    let mut series = vec![("this run", metrics.iter().map(|m| (m.step as f64, m.loss)).collect::<Vec<_>>())];
+    if let Some(c) = &comparison {
+        let first = metrics.first().map_or(0, |m| m.step);
+        series.push((
+            "reference",
+            c.losses.iter().enumerate().map(|(i, l)| ((first + i) as f64, *l)).collect(),
+        ));
+    }
+    crate::plot::loss_png(&png, &format!("train-qwen3: {mode}"), &series)?;
     let summary = serde_json::json!({
         "mode": mode,
         "world_size": world,
@@ -612,6 +622,7 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
         "mean_tokens_per_sec": mean_tps(&metrics),
         "model_config": config,
         "metrics": metrics_path,
+        "loss_plot": png,
         "comparison": comparison,
     });
     let summary_path = out_dir.join("summary.json");
@@ -621,12 +632,13 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
         && let (Some(first), Some(last)) = (metrics.first(), metrics.last())
     {
         println!(
-            "done: {} steps, loss {:.4} → {:.4}, mean {:.0} tokens/s; {} and {}",
+            "done: {} steps, loss {:.4} → {:.4}, mean {:.0} tokens/s; {}, {} and {}",
             metrics.len(),
             first.loss,
             last.loss,
             mean_tps(&metrics),
             metrics_path.display(),
+            png.display(),
             summary_path.display()
         );
         if let Some(c) = &comparison {
