@@ -47,3 +47,29 @@ fn a_tokenizer_that_does_not_fit_the_model_is_refused() {
     bad.tokenizer = Some(fixture("qwen3-tokenizer/tokenizer.json"));
     assert!(xtask::generate::run(&bad).unwrap_err().to_string().contains("--temperature"));
 }
+
+#[test]
+fn generate_flags_parse() {
+    use clap::Parser;
+    #[derive(clap::Parser)]
+    struct Wrap {
+        #[command(flatten)]
+        args: xtask::generate::GenerateArgs,
+    }
+    let w = Wrap::try_parse_from([
+        "generate",
+        "--checkpoint",
+        "d",
+        "--prompt",
+        "hi",
+        "--max-new-tokens",
+        "7",
+        "--temperature",
+        "0.5",
+        "--seed",
+        "9",
+    ])
+    .unwrap();
+    assert_eq!((w.args.max_new_tokens, w.args.temperature, w.args.seed), (7, 0.5, 9));
+    assert!(Wrap::try_parse_from(["generate", "--checkpoint", "d"]).is_err(), "--prompt is required");
+}

@@ -195,3 +195,100 @@ fn text_data_errors_are_clear() {
     assert!(parse_train(&["train-qwen3", "--data", "a.txt", "--batches", "b.safetensors"]).is_err());
     assert!(parse_train(&["train-qwen3", "--tokenizer", "t.json"]).unwrap_err().contains("--data"));
 }
+
+#[test]
+fn preset_seed_batch_seq_and_quiet_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = dir.path().display().to_string();
+    let argv = [
+        "train-qwen3",
+        "--preset",
+        "tiny",
+        "--world-size",
+        "2",
+        "--batch",
+        "1",
+        "--seq",
+        "8",
+        "--steps",
+        "2",
+        "--seed",
+        "3",
+        "--quiet",
+        "--out-dir",
+        &o,
+    ];
+    let args = parse_train(&argv).unwrap();
+    assert_eq!((args.batch, args.seq, args.seed, args.quiet), (1, 8, 3, true));
+    let m = xtask::train::run(&args).unwrap();
+    assert_eq!(m.len(), 2);
+    // tiny's vocabulary has 512 entries: the first loss is near ln(512) ≈ 6.24.
+    assert!((m[0].loss - 512f64.ln()).abs() < 0.3, "{}", m[0].loss);
+    let s = summary(dir.path());
+    assert_eq!(s["model_config"]["vocab_size"], 512);
+    // Another seed, another model and data.
+    let other = parse_train(&[
+        "train-qwen3",
+        "--preset",
+        "tiny",
+        "--world-size",
+        "2",
+        "--batch",
+        "1",
+        "--seq",
+        "8",
+        "--steps",
+        "2",
+        "--seed",
+        "4",
+        "--quiet",
+    ])
+    .unwrap();
+    assert_ne!(xtask::train::run(&other).unwrap()[0].loss, m[0].loss);
+    let e =
+        xtask::train::run(&parse_train(&["train-qwen3", "--preset", "70b", "--quiet"]).unwrap()).unwrap_err();
+    assert!(format!("{e:#}").contains("--preset"), "{e:#}");
+    let e = xtask::train::run(&parse_train(&["train-qwen3", "--seq", "0", "--quiet"]).unwrap()).unwrap_err();
+    assert!(format!("{e:#}").contains("--seq"), "{e:#}");
+}
+
+#[test]
+fn explicit_tokenizer_flag_is_used_and_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = text_model(dir.path());
+    let txt = dir.path().join("c.txt");
+    std::fs::write(&txt, TEXT.repeat(10)).unwrap();
+    let (d, tok) =
+        (txt.display().to_string(), fixture("qwen3-tokenizer/tokenizer.json").display().to_string());
+    let argv = [
+        "train-qwen3",
+        "--checkpoint",
+        &ckpt,
+        "--data",
+        &d,
+        "--tokenizer",
+        &tok,
+        "--no-fsdp",
+        "--batch",
+        "2",
+        "--seq",
+        "8",
+        "--steps",
+        "1",
+        "--quiet",
+    ];
+    assert_eq!(xtask::train::run(&parse_train(&argv).unwrap()).unwrap().len(), 1);
+    let argv = [
+        "train-qwen3",
+        "--checkpoint",
+        &ckpt,
+        "--data",
+        &d,
+        "--tokenizer",
+        "/nonexistent/tok.json",
+        "--no-fsdp",
+        "--quiet",
+    ];
+    let e = xtask::train::run(&parse_train(&argv).unwrap()).unwrap_err();
+    assert!(format!("{e:#}").contains("/nonexistent/tok.json"), "{e:#}");
+}
