@@ -108,18 +108,23 @@ pub enum FsdpError {
     Comm(#[from] CommError),
 }
 
-/// Tracks the dotted module path in visitors and mappers.
-#[derive(Default)]
-pub(crate) struct PathStack(Vec<String>);
+/// Tracks the dotted module path (`model.layers.0.mlp.up_proj.weight`) while a
+/// `ModuleVisitor`/`ModuleMapper` walks a module: push in `enter_module`, pop in
+/// `exit_module`, read with [`current`](PathStack::current) at each parameter.
+#[derive(Debug, Default, Clone)]
+pub struct PathStack(Vec<String>);
 
 impl PathStack {
-    pub(crate) fn push(&mut self, s: &str) {
+    /// Enters a submodule (a field name or a `Vec` index).
+    pub fn push(&mut self, s: &str) {
         self.0.push(s.to_owned());
     }
-    pub(crate) fn pop(&mut self) {
+    /// Leaves the innermost submodule.
+    pub fn pop(&mut self) {
         self.0.pop();
     }
-    pub(crate) fn current(&self) -> String {
+    /// The dotted path of the current position.
+    pub fn current(&self) -> String {
         self.0.join(".")
     }
 }

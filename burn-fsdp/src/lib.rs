@@ -30,7 +30,7 @@ pub mod runner;
 pub mod unit;
 
 pub use comm::{CollectiveKind, CommError, CommStats, ProcessGroup, ReduceOp, Tag};
-pub use fsdp::{Fsdp, FsdpConfig, FsdpError, FsdpRunner, MixedPrecisionPolicy, UnitPolicy};
+pub use fsdp::{Fsdp, FsdpConfig, FsdpError, FsdpRunner, MixedPrecisionPolicy, PathStack, UnitPolicy};
 pub use local::{LocalGroup, launch};
 pub use mesh::DeviceMesh;
 pub use op::FsdpBackend;

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
+use burn_fsdp::PathStack;
 pub use burn_fsdp::io::{SafetensorsFile, TensorOut, write_atomic, write_safetensors};
 #[cfg(test)]
 use safetensors::Dtype;
@@ -165,22 +166,6 @@ impl TensorSource for [(String, TensorOut)] {
     }
     fn origin_of(&self, _name: &str) -> PathBuf {
         "<memory>".into()
-    }
-}
-
-/// Tracks the dotted module path while a visitor/mapper walks a module.
-#[derive(Default)]
-struct PathStack(Vec<String>);
-
-impl PathStack {
-    fn push(&mut self, name: &str) {
-        self.0.push(name.to_owned());
-    }
-    fn pop(&mut self) {
-        self.0.pop();
-    }
-    fn current(&self) -> String {
-        self.0.join(".")
     }
 }
 

@@ -87,3 +87,21 @@ pub fn scratch_dir() -> PathBuf {
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
     std::env::temp_dir().join(format!("burn-fsdp-tests/{}-{n}", std::process::id()))
 }
+
+/// A Qwen3 whose vocabulary covers the real Qwen3 tokenizer, tiny in everything else (for
+/// text training and generation tests).
+pub fn qwen3_vocab_config() -> qwen3_burn::Qwen3Config {
+    qwen3_burn::Qwen3Config {
+        vocab_size: 151_936,
+        hidden_size: 16,
+        intermediate_size: 32,
+        num_hidden_layers: 1,
+        num_attention_heads: 2,
+        num_key_value_heads: 1,
+        head_dim: 8,
+        max_position_embeddings: 64,
+        rms_norm_eps: 1e-6,
+        rope_theta: 1e6,
+        tie_word_embeddings: true,
+    }
+}

@@ -1,7 +1,6 @@
 //! `cargo xtask generate`: KV-cache generation with the Qwen3 tokenizer.
 #![allow(clippy::unwrap_used)]
 
-use qwen3_burn::Qwen3Config;
 use tests::fixture;
 
 fn args(checkpoint: &std::path::Path, temperature: f64) -> xtask::generate::GenerateArgs {
@@ -19,19 +18,7 @@ fn args(checkpoint: &std::path::Path, temperature: f64) -> xtask::generate::Gene
 fn generates_text_reproducibly_with_the_qwen3_tokenizer() {
     let dir = tempfile::tempdir().unwrap();
     // Qwen3's real vocabulary, tiny everything else.
-    let config = Qwen3Config {
-        vocab_size: 151_936,
-        hidden_size: 16,
-        intermediate_size: 32,
-        num_hidden_layers: 1,
-        num_attention_heads: 2,
-        num_key_value_heads: 1,
-        head_dim: 8,
-        max_position_embeddings: 64,
-        rms_norm_eps: 1e-6,
-        rope_theta: 1e6,
-        tie_word_embeddings: true,
-    };
+    let config = tests::qwen3_vocab_config();
     config.init::<xtask::Backend>(&xtask::device()).save(&config, dir.path()).unwrap();
     let a = xtask::generate::run(&args(dir.path(), 0.0)).unwrap();
     assert_eq!(a, xtask::generate::run(&args(dir.path(), 0.0)).unwrap(), "greedy is deterministic");

@@ -3,7 +3,6 @@
 
 use std::path::Path;
 
-use qwen3_burn::Qwen3Config;
 use tests::{fixture, parse_train, train_args};
 
 fn summary(dir: &Path) -> serde_json::Value {
@@ -86,19 +85,7 @@ fn compare_to_a_pytorch_fixture_file() {
 
 /// A model small in everything but its vocabulary, which must cover the Qwen3 tokenizer.
 fn text_model(dir: &Path) -> String {
-    let config = Qwen3Config {
-        vocab_size: 151_936,
-        hidden_size: 16,
-        intermediate_size: 32,
-        num_hidden_layers: 1,
-        num_attention_heads: 2,
-        num_key_value_heads: 1,
-        head_dim: 8,
-        max_position_embeddings: 64,
-        rms_norm_eps: 1e-6,
-        rope_theta: 1e6,
-        tie_word_embeddings: true,
-    };
+    let config = tests::qwen3_vocab_config();
     let ckpt = dir.join("model");
     config.init::<xtask::Backend>(&xtask::device()).save(&config, &ckpt).unwrap();
     ckpt.display().to_string()
