@@ -641,6 +641,13 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
             png.display(),
             summary_path.display()
         );
+        let best = metrics.iter().map(|m| m.loss).fold(f64::INFINITY, f64::min);
+        println!("  {:<22} {}", "mode", mode);
+        println!("  {:<22} {}", "parameters", params);
+        println!("  {:<22} {} → {}", "steps", first.step, last.step);
+        println!("  {:<22} {:.6} → {:.6} (best {best:.6})", "loss", first.loss, last.loss);
+        println!("  {:<22} {:.6} → {:.6}", "grad norm", first.grad_norm, last.grad_norm);
+        println!("  {:<22} {:.0}", "mean tokens/s", mean_tps(&metrics));
         if let Some(c) = &comparison {
             print_comparison(first, last, c);
         }
