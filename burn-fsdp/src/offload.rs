@@ -138,11 +138,6 @@ impl HostStore {
         }
     }
 
-    /// Whether any gradient is stored.
-    pub fn has_grads(&self) -> bool {
-        self.lock().values().any(|p| p.grad.is_some())
-    }
-
     /// One AdamW step on every parameter with a gradient, on the host, then drops the
     /// gradients. The arithmetic (f32, operation by operation) is that of
     /// [`AdamW::update_tensor`](crate::AdamW::update_tensor), so offloaded and on-device

@@ -13,10 +13,6 @@ pub mod train;
 pub type Backend = burn::backend::NdArray<f32>;
 /// Its autodiff decorator, for single-device training.
 pub type TrainBackend = burn::backend::Autodiff<Backend>;
-/// The autodiff decorator FSDP trains with: balanced checkpointing lets a resharded unit's
-/// all-gather be recomputed in backward instead of kept (`reshard_after_forward`).
-pub type FsdpTrainBackend =
-    burn::backend::Autodiff<Backend, burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing>;
 
 /// The default device of [`Backend`].
 pub fn device() -> burn::backend::ndarray::NdArrayDevice {

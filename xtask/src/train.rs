@@ -149,14 +149,6 @@ fn parse_betas(s: &str) -> std::result::Result<(f64, f64), String> {
 }
 
 impl TrainArgs {
-    /// Default arguments (the README's main job), as `clap` would parse an empty command line.
-    pub fn defaults() -> Self {
-        match Self::parse_from_args(&["train-qwen3"]) {
-            Ok(args) => args,
-            Err(e) => unreachable!("the defaults parse: {e}"),
-        }
-    }
-
     /// The AdamW hyper-parameters.
     pub fn adamw(&self) -> AdamWConfig {
         AdamWConfig { lr: self.lr, betas: self.betas, eps: self.eps, weight_decay: self.weight_decay }
