@@ -142,6 +142,21 @@ pub enum CommError {
         /// What the other rank issued.
         theirs: String,
     },
+    /// The collective did not complete within the timeout and the transport cannot say
+    /// which peer is missing (MPI): a peer died or stopped calling collectives.
+    #[error(
+        "{kind} `{tag}` on rank {rank} did not complete within {timeout:?}: a peer died or stopped issuing collectives"
+    )]
+    Stalled {
+        /// The collective.
+        kind: CollectiveKind,
+        /// Its tag.
+        tag: Tag,
+        /// The rank reporting.
+        rank: usize,
+        /// The timeout.
+        timeout: Duration,
+    },
     /// Inputs have sizes or dtypes that cannot be combined.
     #[error("{kind} `{tag}` on rank {rank}: {msg}")]
     BadInput {
@@ -238,4 +253,46 @@ pub trait ProcessGroup<B: Backend>: Send + Sync {
     /// Marks the group failed because this rank failed: every waiting and future collective
     /// of every rank returns [`CommError::PeerFailed`].
     fn abort(&self, reason: &str);
+}
+
+/// Checks that every rank of `group` passes the same `digest` (e.g. a hash of its flags and
+/// model config), so that a rank started differently is refused before any real work.
+///
+/// Errors on every rank with a [`CommError::BadInput`] naming `what` and the first rank that
+/// differs from rank 0. The digest travels as four 16-bit pieces in f32 (exact).
+pub fn check_same_on_all_ranks<B: Backend>(
+    group: &dyn ProcessGroup<B>,
+    what: &str,
+    digest: u64,
+    device: &B::Device,
+) -> Result<(), CommError> {
+    let pieces: Vec<f32> = (0..4).map(|i| ((digest >> (16 * i)) & 0xffff) as f32).collect();
+    let t = Tensor::<B, 1>::from_data(
+        burn::tensor::TensorData::new(pieces, [4]),
+        (device, burn::tensor::DType::F32),
+    );
+    let all = group.all_gather(t, &Tag::new(format!("consistency: {what}")))?;
+    let values = all.into_data().convert::<f32>().to_vec::<f32>().map_err(|e| CommError::BadInput {
+        kind: CollectiveKind::AllGather,
+        tag: Tag::new("consistency"),
+        rank: group.rank(),
+        msg: format!("{e:?}"),
+    })?;
+    let digests: Vec<u64> = values
+        .chunks_exact(4)
+        .map(|c| c.iter().enumerate().fold(0u64, |acc, (i, v)| acc | ((*v as u64) << (16 * i))))
+        .collect();
+    match digests.iter().position(|d| *d != digests[0]) {
+        None => Ok(()),
+        Some(r) => Err(CommError::BadInput {
+            kind: CollectiveKind::AllGather,
+            tag: Tag::new(format!("consistency: {what}")),
+            rank: group.rank(),
+            msg: format!(
+                "rank {r} was started with different {what} than rank 0 (digest {:016x} vs {:016x}); \
+                 start every rank with the same command line and files",
+                digests[r], digests[0]
+            ),
+        }),
+    }
 }

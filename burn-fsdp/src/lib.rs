@@ -22,6 +22,8 @@ pub mod fsdp;
 pub mod io;
 pub mod local;
 pub mod mesh;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 pub mod offload;
 pub mod op;
 pub mod optim;

@@ -5,7 +5,10 @@ pub mod bench;
 pub mod consolidate;
 pub mod data;
 pub mod generate;
+pub mod launch;
 pub mod logits;
+#[cfg(feature = "mpi")]
+pub mod mpi_tools;
 pub mod plot;
 pub mod train;
 

@@ -23,14 +23,29 @@ enum Command {
     Generate(xtask::generate::GenerateArgs),
     /// Turn a sharded FSDP checkpoint into one HF checkpoint (config.json + model.safetensors).
     Consolidate(xtask::consolidate::ConsolidateArgs),
+    /// (Run under mpirun.) Checks MPI collectives against in-process ones, and failure paths.
+    #[cfg(feature = "mpi")]
+    #[command(name = "mpi-selftest", hide = true)]
+    MpiSelftest(xtask::mpi_tools::SelftestArgs),
+    /// (Run under mpirun.) MPI all-gather/reduce-scatter vs memcpy bandwidth.
+    #[cfg(feature = "mpi")]
+    #[command(name = "mpi-bench", hide = true)]
+    MpiBench(xtask::mpi_tools::MpiBenchArgs),
 }
 
 fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::TrainQwen3(args) => xtask::train::run(&args).map(|_| ()),
+        Command::TrainQwen3(args) => {
+            let raw: Vec<String> = std::env::args().skip(1).collect();
+            xtask::launch::train_entry(&args, &raw)
+        }
         Command::Qwen3Logits(args) => xtask::logits::run(&args),
         Command::Consolidate(args) => xtask::consolidate::run(&args),
+        #[cfg(feature = "mpi")]
+        Command::MpiSelftest(args) => xtask::mpi_tools::selftest(&args),
+        #[cfg(feature = "mpi")]
+        Command::MpiBench(args) => xtask::mpi_tools::bench(&args),
         Command::Bench(args) => xtask::bench::run(&args).map(|_| ()),
         Command::Generate(args) => xtask::generate::run(&args).map(|text| println!("{text}")),
     };

@@ -124,6 +124,33 @@ pub struct TrainArgs {
     /// Print nothing but errors.
     #[arg(long)]
     pub quiet: bool,
+    /// How FSDP ranks are started: `local` (threads of this process) or `mpi` (one process
+    /// per rank: runs `mpirun -n <world-size>` on this command, or, when already started by an
+    /// MPI launcher, acts as one rank). Needs xtask built with `--features mpi`.
+    #[arg(long, value_enum, default_value_t = Launcher::Local)]
+    pub launcher: Launcher,
+    /// With --launcher mpi: print the exact mpirun command line and exit.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// The mpirun executable for --launcher mpi (default: $MPIRUN, else `mpirun`).
+    #[arg(long)]
+    pub mpirun: Option<PathBuf>,
+    /// Extra argument for mpirun, repeatable: e.g. `--mpirun-arg=--hostfile --mpirun-arg=hosts`.
+    #[arg(long = "mpirun-arg", allow_hyphen_values = true)]
+    pub mpirun_args: Vec<String>,
+    /// Collective timeout in seconds: a rank that waits longer for its peers fails with an
+    /// error (and so does the job).
+    #[arg(long, default_value_t = 120.0)]
+    pub timeout: f64,
+}
+
+/// `--launcher` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Launcher {
+    /// In-process ranks (threads).
+    Local,
+    /// One process per rank, started by mpirun.
+    Mpi,
 }
 
 /// `--mixed-precision` values.
@@ -157,6 +184,14 @@ impl TrainArgs {
     /// World size: 1 for `--no-fsdp`, else `--world-size` (default 4).
     pub fn world(&self) -> usize {
         if self.no_fsdp { 1 } else { self.world_size.unwrap_or(4) }
+    }
+
+    /// The collective timeout (`--timeout`).
+    pub fn collective_timeout(&self) -> Result<std::time::Duration> {
+        if !(self.timeout.is_finite() && self.timeout > 0.0) {
+            bail!("--timeout must be a positive number of seconds, got {}", self.timeout);
+        }
+        Ok(std::time::Duration::from_secs_f64(self.timeout))
     }
 }
 
@@ -546,20 +581,59 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
             "--compare-to single reruns from step 0 and cannot follow --resume; compare with a file instead"
         );
     }
-    let setup = setup(args)?;
+    args.collective_timeout()?;
+    if args.dry_run && args.launcher != Launcher::Mpi {
+        bail!("--dry-run prints the mpirun line of --launcher mpi; add --launcher mpi");
+    }
+    // Under an MPI launcher this process is one rank: join the job first, so that the world
+    // size comes from it and only rank 0 writes files and prints.
+    let mpi = match args.launcher {
+        Launcher::Mpi => Some(crate::launch::MpiRank::join(args)?),
+        Launcher::Local => None,
+    };
+    let owned;
+    let args = match &mpi {
+        Some(m) if args.world_size.is_none() => {
+            owned = TrainArgs { world_size: Some(m.size()), ..args.clone() };
+            &owned
+        }
+        _ => args,
+    };
+    let is_main = mpi.as_ref().is_none_or(|m| m.rank() == 0);
+    let setup = match setup(args) {
+        Ok(s) => s,
+        Err(e) => {
+            if let Some(m) = &mpi {
+                m.abort(&format!("{e:#}"));
+            }
+            return Err(e);
+        }
+    };
+    if let Some(m) = &mpi {
+        m.check_consistent(args, &setup)?;
+    }
     let out_dir = args.out_dir.clone().unwrap_or_else(default_run_dir);
-    std::fs::create_dir_all(&out_dir).with_context(|| format!("creating --out-dir {}", out_dir.display()))?;
+    if is_main {
+        std::fs::create_dir_all(&out_dir)
+            .with_context(|| format!("creating --out-dir {}", out_dir.display()))?;
+    }
     let metrics_path = args.metrics.clone().unwrap_or_else(|| out_dir.join("metrics.jsonl"));
-    let sink = MetricsSink::new(Some(&metrics_path), args.quiet)?.with_progress(setup.steps);
+    let sink = if is_main {
+        MetricsSink::new(Some(&metrics_path), args.quiet)?.with_progress(setup.steps)
+    } else {
+        MetricsSink::new(None, true)?
+    };
     let reference_setup = (args.compare_to.as_deref() == Some("single")).then(|| setup.clone());
     let (params, layers, world, steps) =
         (setup.config.num_params(), setup.config.num_hidden_layers, args.world(), setup.steps);
     let mode = if args.no_fsdp {
         "single device (no FSDP)".to_owned()
+    } else if mpi.is_some() {
+        format!("FSDP over {world} MPI processes")
     } else {
         format!("FSDP over {world} in-process ranks")
     };
-    if !args.quiet {
+    if !args.quiet && is_main {
         println!(
             "train-qwen3: {params} params, {layers} layers, {mode}, {steps} steps of {} rows × {} tokens → {}",
             setup.batches.rows,
@@ -568,13 +642,17 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
         );
     }
     let config = setup.config.clone();
-    let metrics = match (args.no_fsdp, args.mixed_precision) {
-        (true, _) => train_single(args, setup, &sink)?,
-        (false, Precision::Fp32) => train_fsdp::<Backend>(args, setup, &sink)?,
+    let metrics = match (args.no_fsdp, args.mixed_precision, &mpi) {
+        (true, _, _) => train_single(args, setup, &sink)?,
+        (false, precision, Some(m)) => m.train(args, setup, &sink, precision)?,
+        (false, Precision::Fp32, None) => train_fsdp::<Backend>(args, setup, &sink)?,
         // NdArray has no bf16; burn's Flex CPU backend does.
-        (false, Precision::Bf16) => train_fsdp::<burn::backend::Flex<f32>>(args, setup, &sink)?,
+        (false, Precision::Bf16, None) => train_fsdp::<burn::backend::Flex<f32>>(args, setup, &sink)?,
     };
     sink.finish();
+    if !is_main {
+        return Ok(metrics);
+    }
     let comparison = match (args.compare_to.as_deref(), reference_setup) {
         (Some("single"), Some(reference)) => {
             if !args.quiet {
@@ -705,6 +783,10 @@ pub fn train_single(args: &TrainArgs, setup: Setup, sink: &MetricsSink) -> Resul
     Ok(out)
 }
 
+/// The autodiff backend of FSDP training: balanced checkpointing, so that resharded
+/// parameters are re-gathered in backward.
+pub type FsdpTrainBackend<B> = burn::backend::Autodiff<B, BalancedCheckpointing>;
+
 /// FSDP training over `--world-size` in-process ranks (threads), each owning
 /// `rows / world` rows of every step's batch.
 pub fn train_fsdp<B: burn::tensor::backend::Backend>(
@@ -712,13 +794,14 @@ pub fn train_fsdp<B: burn::tensor::backend::Backend>(
     setup: Setup,
     sink: &MetricsSink,
 ) -> Result<Vec<StepMetrics>> {
-    type Ad<B> = burn::backend::Autodiff<B, BalancedCheckpointing>;
-    let world = args.world();
-    let Setup { config, model, batches, steps, resume } = setup;
-    let model_config = serde_json::to_value(&config)?;
-    let rows_per_rank = batches.rows / world;
-    let micro = args.grad_accum;
-    let rows_per_micro = rows_per_rank / micro;
+    let results =
+        launch(args.world(), args.collective_timeout()?, |group| fsdp_rank::<B>(args, &setup, group, sink))
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+    results.into_iter().next().context("no rank ran")
+}
+
+/// The FSDP policy the flags ask for.
+pub fn fsdp_config(args: &TrainArgs) -> FsdpConfig {
     let mp_policy = match args.mixed_precision {
         Precision::Fp32 => MixedPrecisionPolicy::default(),
         Precision::Bf16 => MixedPrecisionPolicy {
@@ -727,77 +810,91 @@ pub fn train_fsdp<B: burn::tensor::backend::Backend>(
             output_dtype: None,
         },
     };
-    let fsdp_config = FsdpConfig {
+    FsdpConfig {
         reshard_after_forward: args.reshard_after_forward,
         mp_policy,
         offload: OffloadPolicy { enabled: args.offload },
         ..FsdpConfig::default()
+    }
+}
+
+/// One FSDP rank's training loop (any process group: in-process threads or MPI processes).
+/// Rank `r` trains on rows `r·rows/world ..` of every step; rank 0 emits the metrics.
+pub fn fsdp_rank<B: burn::tensor::backend::Backend>(
+    args: &TrainArgs,
+    setup: &Setup,
+    group: std::sync::Arc<dyn burn_fsdp::ProcessGroup<B>>,
+    sink: &MetricsSink,
+) -> Result<Vec<StepMetrics>> {
+    type Ad<B> = FsdpTrainBackend<B>;
+    let world = group.size();
+    let Setup { config, model, batches, steps, resume } = setup;
+    let steps = *steps;
+    let model_config = serde_json::to_value(config)?;
+    let rows_per_rank = batches.rows / world;
+    let micro = args.grad_accum;
+    let rows_per_micro = rows_per_rank / micro;
+    let device = B::Device::default();
+    let rank = group.rank();
+    let replica = Qwen3::<Ad<B>>::from_weights(config, model.as_slice(), &device)?;
+    let mesh = DeviceMesh::new_1d(group, device.clone());
+    let mut fsdp = Fsdp::wrap(replica, &mesh, fsdp_config(args))?;
+    let mut optim = args.adamw().init();
+    let first_step = match resume {
+        Some(dir) => fsdp.load_sharded(dir, &mut optim, &model_config)?.step as usize,
+        None => 0,
     };
-    let results = launch(world, COLLECTIVE_TIMEOUT, |group| -> Result<Vec<StepMetrics>> {
-        let device = B::Device::default();
-        let rank = group.rank();
-        let replica = Qwen3::<Ad<B>>::from_weights(&config, model.as_slice(), &device)?;
-        let mesh = DeviceMesh::new_1d(group, device.clone());
-        let mut fsdp = Fsdp::wrap(replica, &mesh, fsdp_config.clone())?;
-        let mut optim = args.adamw().init();
-        let first_step = match &resume {
-            Some(dir) => fsdp.load_sharded(dir, &mut optim, &model_config)?.step as usize,
-            None => 0,
+    let mut out = Vec::with_capacity(steps);
+    for step in first_step..steps {
+        let start = Instant::now();
+        let mut loss_sum = 0.0;
+        let mut grads = None;
+        for m in 0..micro {
+            fsdp.set_requires_gradient_sync(m + 1 == micro);
+            let first_row = rank * rows_per_rank + m * rows_per_micro;
+            let tokens = batches.rows::<Ad<B>>(step, first_row..first_row + rows_per_micro, &device);
+            let (inputs, labels) = inputs_and_labels(tokens);
+            let logits = fsdp.forward(|model, runner| model.forward_with(inputs, runner));
+            let loss = cross_entropy(logits, labels).div_scalar(micro as f64);
+            loss_sum += loss.clone().into_scalar().elem::<f64>();
+            grads = Some(fsdp.gradients(loss.backward()));
+        }
+        let mut grads = grads.context("no micro-batch ran")?;
+        let grad_norm = fsdp.clip_grad_norm(&mut grads, args.clip.unwrap_or(0.0))?;
+        fsdp.step(&mut optim, grads);
+        let loss = fsdp.all_reduce_scalar(loss_sum, ReduceOp::Avg, "loss")?;
+        let metrics = StepMetrics {
+            step,
+            loss,
+            grad_norm,
+            tokens_per_sec: (batches.rows * (batches.width - 1)) as f64
+                / start.elapsed().as_secs_f64().max(1e-9),
         };
-        let mut out = Vec::with_capacity(steps);
-        for step in first_step..steps {
-            let start = Instant::now();
-            let mut loss_sum = 0.0;
-            let mut grads = None;
-            for m in 0..micro {
-                fsdp.set_requires_gradient_sync(m + 1 == micro);
-                let first_row = rank * rows_per_rank + m * rows_per_micro;
-                let tokens = batches.rows::<Ad<B>>(step, first_row..first_row + rows_per_micro, &device);
-                let (inputs, labels) = inputs_and_labels(tokens);
-                let logits = fsdp.forward(|model, runner| model.forward_with(inputs, runner));
-                let loss = cross_entropy(logits, labels).div_scalar(micro as f64);
-                loss_sum += loss.clone().into_scalar().elem::<f64>();
-                grads = Some(fsdp.gradients(loss.backward()));
-            }
-            let mut grads = grads.context("no micro-batch ran")?;
-            let grad_norm = fsdp.clip_grad_norm(&mut grads, args.clip.unwrap_or(0.0))?;
-            fsdp.step(&mut optim, grads);
-            let loss = fsdp.all_reduce_scalar(loss_sum, ReduceOp::Avg, "loss")?;
-            let metrics = StepMetrics {
-                step,
-                loss,
-                grad_norm,
-                tokens_per_sec: (batches.rows * (batches.width - 1)) as f64
-                    / start.elapsed().as_secs_f64().max(1e-9),
-            };
-            if rank == 0 {
-                sink.emit(&metrics)?;
-            }
-            out.push(metrics);
-            if let Some(save_dir) = &args.save_dir {
-                let done = step + 1;
-                if args.save_every.map_or(done == steps, |k| done % k == 0 || done == steps) {
-                    let dir = save_dir.join(format!("step-{done:06}"));
-                    fsdp.save_sharded(&dir, &optim, done as u64, &model_config)?;
-                    if rank == 0 && !args.quiet {
-                        println!("saved sharded checkpoint {}", dir.display());
-                    }
+        if rank == 0 {
+            sink.emit(&metrics)?;
+        }
+        out.push(metrics);
+        if let Some(save_dir) = &args.save_dir {
+            let done = step + 1;
+            if args.save_every.map_or(done == steps, |k| done % k == 0 || done == steps) {
+                let dir = save_dir.join(format!("step-{done:06}"));
+                fsdp.save_sharded(&dir, &optim, done as u64, &model_config)?;
+                if rank == 0 && !args.quiet {
+                    println!("saved sharded checkpoint {}", dir.display());
                 }
             }
         }
-        if let Some(dir) = &args.export {
-            let params = fsdp.full_parameters()?;
-            if rank == 0 {
-                export_hf(&config, params, dir)?;
-                if !args.quiet {
-                    println!("exported HF checkpoint {}", dir.display());
-                }
+    }
+    if let Some(dir) = &args.export {
+        let params = fsdp.full_parameters()?;
+        if rank == 0 {
+            export_hf(config, params, dir)?;
+            if !args.quiet {
+                println!("exported HF checkpoint {}", dir.display());
             }
         }
-        Ok(out)
-    })
-    .map_err(|e| anyhow::anyhow!("{e}"))?;
-    results.into_iter().next().context("no rank ran")
+    }
+    Ok(out)
 }
 
 /// Writes full parameters as an HF checkpoint (`config.json` + `model.safetensors`).
@@ -819,9 +916,6 @@ pub fn export_hf(
     config.save(dir)?;
     Ok(())
 }
-
-/// Timeout of every collective of in-process training.
-pub const COLLECTIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
 
 impl TrainArgs {
     /// Parses a command line (`argv[0]` is the command name), as the binary does.

@@ -1,0 +1,324 @@
+//! `--launcher mpi`: one process per FSDP rank.
+//!
+//! `cargo xtask train-qwen3 --launcher mpi --world-size 4 …` runs
+//! `mpirun -n 4 <this xtask binary> train-qwen3 --launcher mpi … --out-dir <resolved>`; each
+//! process started that way sees the launcher's environment ([`launched_by_mpi`]) and joins
+//! the job as one rank ([`MpiRank::join`]). Before training, the ranks compare a digest of
+//! their flags, model config, weights and data ([`MpiRank::check_consistent`]), so a rank
+//! started with another world size or model is refused with a clear error.
+//!
+//! MPI support needs xtask built with `--features mpi` (OpenMPI or MPICH, and libclang, at
+//! build time); without it `--launcher mpi` says how to get it.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+use crate::train::{Precision, Setup, StepMetrics, TrainArgs};
+
+/// Whether this process was started by an MPI launcher (OpenMPI, MPICH/Hydra, Slurm PMI).
+pub fn launched_by_mpi() -> bool {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK", "MPI_LOCALNRANKS"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some())
+}
+
+/// Whether this xtask was built with MPI support.
+pub const MPI_BUILT: bool = cfg!(feature = "mpi");
+
+const NO_MPI: &str = "--launcher mpi: this xtask was built without MPI support; rebuild with \
+     `cargo xtask-mpi …` (= `cargo run -p xtask --features mpi -- …`), which needs an MPI library and \
+     libclang (Debian/Ubuntu: apt install openmpi-bin libopenmpi-dev libclang-dev)";
+
+/// Entry point of `train-qwen3`: starts the MPI job when `--launcher mpi` is asked for outside
+/// an MPI launcher (or prints its command line with `--dry-run`), else trains in this process.
+///
+/// `raw` is the command line after the program name (`train-qwen3 …`), passed on verbatim to
+/// every rank.
+pub fn train_entry(args: &TrainArgs, raw: &[String]) -> Result<()> {
+    if args.launcher == crate::train::Launcher::Mpi && !launched_by_mpi() {
+        let exe = std::env::current_exe().context("locating the xtask binary")?;
+        let out_dir = args.out_dir.clone().unwrap_or_else(crate::train::default_run_dir);
+        let line = mpirun_line(args, raw, &exe, &out_dir)?;
+        if args.dry_run {
+            println!("{}", shell_words(&line));
+            return Ok(());
+        }
+        if !MPI_BUILT {
+            bail!("{NO_MPI}");
+        }
+        if !args.quiet {
+            println!("launching: {}", shell_words(&line));
+        }
+        let status = Command::new(&line[0])
+            .args(&line[1..])
+            .status()
+            .with_context(|| format!("starting `{}` (set --mpirun or $MPIRUN)", line[0]))?;
+        if !status.success() {
+            bail!("the MPI job failed: {} exited with {status}", line[0]);
+        }
+        return Ok(());
+    }
+    if args.dry_run {
+        bail!("--dry-run prints the mpirun line of --launcher mpi; add --launcher mpi");
+    }
+    crate::train::run(args).map(|_| ())
+}
+
+/// Which MPI implementation an `mpirun` belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MpiFlavor {
+    /// Open MPI (`--oversubscribe`, `--allow-run-as-root`, `--bind-to none`).
+    OpenMpi,
+    /// MPICH's Hydra or another launcher taking only `-n`.
+    Other,
+}
+
+/// Asks `mpirun --version` which implementation it is; Open MPI when it cannot be run (the
+/// line is still printed for --dry-run).
+pub fn mpi_flavor(mpirun: &str) -> MpiFlavor {
+    match Command::new(mpirun).arg("--version").output() {
+        Ok(o)
+            if !String::from_utf8_lossy(&o.stdout).contains("Open MPI")
+                && !String::from_utf8_lossy(&o.stderr).contains("Open MPI") =>
+        {
+            MpiFlavor::Other
+        }
+        _ => MpiFlavor::OpenMpi,
+    }
+}
+
+fn running_as_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("Uid:")).map(|l| l.split_whitespace().nth(1) == Some("0"))
+        })
+        .unwrap_or(false)
+}
+
+/// `mpirun -n <world>` plus the flags a one-machine Open MPI job needs (`--oversubscribe`,
+/// `--bind-to none`, and `--allow-run-as-root` when running as root). The executable is
+/// `mpirun` (default: `$MPIRUN`, else `mpirun`).
+pub fn mpirun_prefix(mpirun: Option<&Path>, world: usize) -> Vec<String> {
+    let mpirun = mpirun
+        .map(Path::to_path_buf)
+        .or_else(|| std::env::var_os("MPIRUN").map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from("mpirun"));
+    let mpirun = mpirun.to_string_lossy().into_owned();
+    let mut line = vec![mpirun.clone(), "-n".to_owned(), world.to_string()];
+    if mpi_flavor(&mpirun) == MpiFlavor::OpenMpi {
+        // One machine by default: allow more ranks than cores, don't pin ranks to cores.
+        line.extend(["--oversubscribe", "--bind-to", "none"].map(String::from));
+        if running_as_root() {
+            line.push("--allow-run-as-root".to_owned());
+        }
+    }
+    line
+}
+
+/// The mpirun command line that runs every rank of this training: `raw` (the `train-qwen3 …`
+/// arguments) with `--out-dir` fixed, so that all ranks agree on it.
+pub fn mpirun_line(args: &TrainArgs, raw: &[String], exe: &Path, out_dir: &Path) -> Result<Vec<String>> {
+    if args.no_fsdp {
+        bail!("--launcher mpi runs FSDP ranks; drop --no-fsdp (use --world-size)");
+    }
+    let world = args.world();
+    if world == 0 {
+        bail!("--world-size must be at least 1");
+    }
+    let mut line = mpirun_prefix(args.mpirun.as_deref(), world);
+    line.extend(args.mpirun_args.iter().cloned());
+    line.push(exe.to_string_lossy().into_owned());
+    let mut rest: Vec<String> = raw.iter().filter(|a| *a != "--dry-run").cloned().collect();
+    if args.out_dir.is_none() {
+        rest.push("--out-dir".to_owned());
+        rest.push(out_dir.to_string_lossy().into_owned());
+    }
+    line.extend(rest);
+    Ok(line)
+}
+
+/// Quotes a command line for a POSIX shell.
+pub fn shell_words(words: &[String]) -> String {
+    words
+        .iter()
+        .map(|w| {
+            if !w.is_empty() && w.chars().all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c)) {
+                w.clone()
+            } else {
+                format!("'{}'", w.replace('\'', "'\\''"))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// A digest of everything every rank must agree on: flags (but not where this rank prints),
+/// model config, the weights' names, shapes and values, and the data.
+pub fn run_digest(args: &TrainArgs, setup: &Setup) -> u64 {
+    let mut h = Fnv64::default();
+    let mut a = args.clone();
+    a.quiet = false;
+    h.write(format!("{a:?}").as_bytes());
+    h.write(serde_json::to_string(&setup.config).unwrap_or_default().as_bytes());
+    for (name, t) in &setup.model {
+        h.write(name.as_bytes());
+        match t {
+            qwen3_burn::checkpoint::TensorOut::F32(shape, v) => {
+                h.write(format!("{shape:?}").as_bytes());
+                v.iter().for_each(|x| h.write(&x.to_le_bytes()));
+            }
+            qwen3_burn::checkpoint::TensorOut::I64(shape, v) => {
+                h.write(format!("{shape:?}").as_bytes());
+                v.iter().for_each(|x| h.write(&x.to_le_bytes()));
+            }
+        }
+    }
+    h.write(
+        format!("{:?}", (setup.batches.steps, setup.batches.rows, setup.batches.width, setup.steps))
+            .as_bytes(),
+    );
+    setup.batches.tokens.iter().for_each(|t| h.write(&t.to_le_bytes()));
+    h.0
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Fnv64(u64);
+
+impl Default for Fnv64 {
+    fn default() -> Self {
+        Self(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Fnv64 {
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 ^ *b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+}
+
+/// This process's place in an MPI job.
+pub struct MpiRank {
+    #[cfg(feature = "mpi")]
+    group: std::sync::Arc<burn_fsdp::mpi::MpiGroup>,
+}
+
+impl MpiRank {
+    /// Joins the MPI job this process was started in, checking `--world-size` against it.
+    pub fn join(args: &TrainArgs) -> Result<Self> {
+        #[cfg(feature = "mpi")]
+        {
+            if !launched_by_mpi() {
+                bail!(
+                    "--launcher mpi: not started by an MPI launcher; run `cargo xtask-mpi train-qwen3 --launcher mpi …` \
+                     (it runs mpirun itself) or start this command under mpirun"
+                );
+            }
+            let group = burn_fsdp::mpi::MpiGroup::world(args.collective_timeout()?)
+                .map_err(|e| anyhow::anyhow!("initialising MPI: {e}"))?;
+            if let Some(w) = args.world_size
+                && w != group.size()
+            {
+                bail!(
+                    "rank {}: --world-size {w} but the MPI job has {} processes (mpirun -n {})",
+                    group.rank(),
+                    group.size(),
+                    group.size()
+                );
+            }
+            Ok(Self { group })
+        }
+        #[cfg(not(feature = "mpi"))]
+        {
+            let _ = args;
+            bail!("{NO_MPI}")
+        }
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        #[cfg(feature = "mpi")]
+        {
+            self.group.rank()
+        }
+        #[cfg(not(feature = "mpi"))]
+        0
+    }
+
+    /// Number of processes.
+    pub fn size(&self) -> usize {
+        #[cfg(feature = "mpi")]
+        {
+            self.group.size()
+        }
+        #[cfg(not(feature = "mpi"))]
+        1
+    }
+
+    /// Tells every other rank that this one failed, so they stop at once with `reason`.
+    pub fn abort(&self, reason: &str) {
+        #[cfg(feature = "mpi")]
+        burn_fsdp::ProcessGroup::<crate::Backend>::abort(&*self.group, reason);
+        #[cfg(not(feature = "mpi"))]
+        let _ = reason;
+    }
+
+    /// Compares [`run_digest`] across ranks: a rank started with other flags, another model
+    /// or other data is refused before training starts.
+    pub fn check_consistent(&self, args: &TrainArgs, setup: &Setup) -> Result<()> {
+        #[cfg(feature = "mpi")]
+        {
+            let digest = run_digest(args, setup);
+            burn_fsdp::comm::check_same_on_all_ranks::<crate::Backend>(
+                &*self.group,
+                "flags, model config, weights and data",
+                digest,
+                &crate::device(),
+            )
+            .map_err(|e| anyhow::anyhow!("{e}"))
+        }
+        #[cfg(not(feature = "mpi"))]
+        {
+            let _ = (args, setup);
+            bail!("{NO_MPI}")
+        }
+    }
+
+    /// Runs this rank's share of FSDP training.
+    pub fn train(
+        &self,
+        args: &TrainArgs,
+        setup: Setup,
+        sink: &crate::train::MetricsSink,
+        precision: Precision,
+    ) -> Result<Vec<StepMetrics>> {
+        #[cfg(feature = "mpi")]
+        {
+            let result = match precision {
+                Precision::Fp32 => {
+                    crate::train::fsdp_rank::<crate::Backend>(args, &setup, self.group.clone(), sink)
+                }
+                Precision::Bf16 => crate::train::fsdp_rank::<burn::backend::Flex<f32>>(
+                    args,
+                    &setup,
+                    self.group.clone(),
+                    sink,
+                ),
+            };
+            result.map_err(|e| {
+                let msg = format!("rank {}: {e:#}", self.rank());
+                self.abort(&msg);
+                anyhow::anyhow!(msg)
+            })
+        }
+        #[cfg(not(feature = "mpi"))]
+        {
+            let _ = (args, setup, sink, precision);
+            bail!("{NO_MPI}")
+        }
+    }
+}

@@ -1,0 +1,300 @@
+//! Multi-process FSDP over MPI (`--features mpi`): 4 processes on this machine, loopback only.
+//!
+//! Each test runs the real `xtask` binary under `mpirun`, as users do.
+#![cfg(feature = "mpi")]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const EXE: &str = env!("CARGO_BIN_EXE_xtask");
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("burn-fsdp-mpi-tests/{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("scratch dir");
+    d
+}
+
+fn mpirun(n: usize, args: &[&str]) -> Output {
+    let mut line = xtask::launch::mpirun_prefix(None, n);
+    line.push(EXE.to_owned());
+    line.extend(args.iter().map(|s| s.to_string()));
+    Command::new(&line[0]).args(&line[1..]).output().expect("running mpirun")
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+fn tiny_a_args(out: &Path, extra: &[&str]) -> Vec<String> {
+    let fx = fixtures().join("qwen3-tiny-a");
+    let mut v: Vec<String> = [
+        "train-qwen3",
+        "--checkpoint",
+        fx.to_str().expect("utf-8 path"),
+        "--batches",
+        fx.join("batches.safetensors").to_str().expect("utf-8 path"),
+        "--lr",
+        "0.003",
+        "--betas",
+        "0.9,0.95",
+        "--eps",
+        "1e-8",
+        "--weight-decay",
+        "0.1",
+        "--quiet",
+        "--out-dir",
+        out.to_str().expect("utf-8 path"),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    v.extend(extra.iter().map(|s| s.to_string()));
+    v
+}
+
+fn read_metrics(path: &Path) -> (Vec<f64>, Vec<f64>) {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    text.lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("metrics line");
+            (v["loss"].as_f64().expect("loss"), v["grad_norm"].as_f64().expect("grad_norm"))
+        })
+        .unzip()
+}
+
+fn reference(name: &str) -> (Vec<f64>, Vec<f64>) {
+    let path = fixtures().join(format!("qwen3-tiny-a/{name}.json"));
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("fixture")).expect("fixture json");
+    let list = |k: &str| v[k].as_array().expect(k).iter().map(|x| x.as_f64().expect("number")).collect();
+    (list("losses"), list("grad_norms"))
+}
+
+fn max_rel(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len(), "series lengths differ");
+    a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs()).fold(0.0, f64::max)
+}
+
+#[test]
+fn collectives_match_the_in_process_group_bit_for_bit() {
+    let o = mpirun(4, &["mpi-selftest", "--mode", "collectives"]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    // 9 dtype × size cases + sub-group + digest check, on each of 4 ranks.
+    assert_eq!(t.lines().filter(|l| l.starts_with("ok rank")).count(), 4 * 11, "{t}");
+}
+
+#[test]
+fn mismatched_collectives_are_an_error_on_every_rank() {
+    let o = mpirun(4, &["mpi-selftest", "--mode", "mismatch"]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert_eq!(t.matches("expected error: collective mismatch").count(), 4, "{t}");
+    assert!(t.contains("rank 1 issued all_gather `layers.1`"), "{t}");
+}
+
+#[test]
+fn an_aborting_rank_stops_its_peers_at_once() {
+    let start = Instant::now();
+    let o = mpirun(4, &["mpi-selftest", "--mode", "abort", "--timeout", "60"]);
+    let t = text(&o);
+    assert!(!o.status.success(), "the job must fail: {t}");
+    assert_eq!(t.matches("aborted: rank 1 failed: rank 1 injected a failure").count(), 3, "{t}");
+    // Well inside the 60 s collective timeout.
+    assert!(start.elapsed() < Duration::from_secs(30), "took {:?}", start.elapsed());
+}
+
+#[test]
+fn a_stalled_rank_makes_the_others_time_out() {
+    let start = Instant::now();
+    let o = mpirun(4, &["mpi-selftest", "--mode", "stall", "--timeout", "2"]);
+    let t = text(&o);
+    assert!(!o.status.success(), "the job must fail: {t}");
+    assert_eq!(t.matches("did not complete within 2s").count(), 3, "{t}");
+    assert!(start.elapsed() < Duration::from_secs(15), "took {:?}", start.elapsed());
+}
+
+/// The 4-process run reproduces PyTorch FSDP2 (`fsdp4.json`) and equals the in-process run.
+fn check_against_in_process(name: &str, extra: &[&str]) {
+    let out = scratch(&format!("mpi-{name}"));
+    let mut args = tiny_a_args(&out, &["--launcher", "mpi", "--world-size", "4"]);
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let o = Command::new(EXE).args(&args).output().expect("xtask");
+    assert!(o.status.success(), "{}", text(&o));
+    let (mpi_loss, mpi_norm) = read_metrics(&out.join("metrics.jsonl"));
+    let (ref_loss, ref_norm) = reference(name);
+    let (dl, dn) = (max_rel(&mpi_loss, &ref_loss), max_rel(&mpi_norm, &ref_norm));
+    println!("{name}: 4 MPI processes vs PyTorch FSDP2: loss {dl:.2e}, grad norm {dn:.2e}");
+    assert!(dl < 1e-4 && dn < 1e-4, "loss {dl:e}, grad norm {dn:e}");
+
+    let local_out = scratch(&format!("local-{name}"));
+    let mut local = tiny_a_args(&local_out, &["--world-size", "4"]);
+    local.extend(extra.iter().map(|s| s.to_string()));
+    let o = Command::new(EXE).args(&local).output().expect("xtask");
+    assert!(o.status.success(), "{}", text(&o));
+    let (l_loss, l_norm) = read_metrics(&local_out.join("metrics.jsonl"));
+    assert_eq!(mpi_loss, l_loss, "MPI and in-process losses differ");
+    assert_eq!(mpi_norm, l_norm, "MPI and in-process grad norms differ");
+}
+
+#[test]
+fn four_processes_reproduce_pytorch_fsdp2_and_the_in_process_run() {
+    check_against_in_process("fsdp4", &[]);
+}
+
+#[test]
+fn four_processes_with_clipping_and_accumulation() {
+    check_against_in_process("fsdp4_clip_accum", &["--clip", "1.0", "--grad-accum", "2"]);
+}
+
+#[test]
+fn dry_run_prints_the_mpirun_line() {
+    let out = scratch("dry");
+    let args = tiny_a_args(&out, &["--launcher", "mpi", "--world-size", "4", "--dry-run"]);
+    let o = Command::new(EXE).args(&args).output().expect("xtask");
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(t.contains(" -n 4 ") && t.contains(EXE) && t.contains("--launcher mpi"), "{t}");
+    assert!(!t.contains("--dry-run"), "{t}");
+    assert!(!out.join("metrics.jsonl").exists(), "--dry-run must not train");
+}
+
+#[test]
+fn a_world_size_other_than_the_jobs_is_refused() {
+    let out = scratch("world");
+    let args = tiny_a_args(&out, &["--launcher", "mpi", "--world-size", "4"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let o = mpirun(2, &args);
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(t.contains("--world-size 4 but the MPI job has 2 processes"), "{t}");
+}
+
+#[test]
+fn a_rank_with_another_model_config_is_refused_at_start_up() {
+    let out = scratch("config");
+    // MPMD: rank 1 gets another learning rate.
+    let a = tiny_a_args(&out, &["--launcher", "mpi"]);
+    let b: Vec<String> = a.iter().map(|x| if x == "0.003" { "0.01".to_owned() } else { x.clone() }).collect();
+    assert_ne!(a, b);
+    let mut line = xtask::launch::mpirun_prefix(None, 1);
+    line.push(EXE.to_owned());
+    line.extend(a);
+    line.extend([":", "-n", "1", EXE].map(String::from));
+    line.extend(b);
+    let o = Command::new(&line[0]).args(&line[1..]).output().expect("mpirun");
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(
+        t.contains("rank 1 was started with different flags, model config, weights and data than rank 0"),
+        "{t}"
+    );
+    assert!(
+        !out.join("metrics.jsonl").exists()
+            || std::fs::read_to_string(out.join("metrics.jsonl")).unwrap_or_default().is_empty()
+    );
+}
+
+/// Every process below `root` (children, grandchildren, …).
+fn descendants(root: u32) -> Vec<u32> {
+    let mut parent_of = Vec::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        // Fields after the `(comm)`: state, ppid, …
+        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else { continue };
+        if rest.starts_with('Z') {
+            continue;
+        }
+        if let Some(ppid) = rest.split_whitespace().nth(1).and_then(|p| p.parse::<u32>().ok()) {
+            parent_of.push((pid, ppid));
+        }
+    }
+    let mut out = vec![];
+    let mut frontier = vec![root];
+    while let Some(p) = frontier.pop() {
+        for &(c, pp) in &parent_of {
+            if pp == p {
+                out.push(c);
+                frontier.push(c);
+            }
+        }
+    }
+    out
+}
+
+fn mpi_rank_of(pid: u32) -> Option<usize> {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    env.split(|b| *b == 0).find_map(|kv| {
+        let kv = String::from_utf8_lossy(kv);
+        kv.strip_prefix("OMPI_COMM_WORLD_RANK=").and_then(|r| r.parse().ok())
+    })
+}
+
+#[test]
+fn killing_one_rank_mid_run_ends_the_job_with_an_error_and_no_orphans() {
+    let out = scratch("kill");
+    let mut child = Command::new(EXE)
+        .args([
+            "train-qwen3",
+            "--launcher",
+            "mpi",
+            "--world-size",
+            "4",
+            "--steps",
+            "2000",
+            "--timeout",
+            "20",
+            "--quiet",
+            "--out-dir",
+            out.to_str().expect("utf-8"),
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("xtask");
+    let metrics = out.join("metrics.jsonl");
+    let start = Instant::now();
+    // Wait until training is under way.
+    while std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count()) < 2 {
+        assert!(start.elapsed() < Duration::from_secs(120), "training never started");
+        assert!(child.try_wait().expect("wait").is_none(), "the job ended before the kill");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let procs = descendants(child.id());
+    let victim = procs.iter().copied().find(|p| mpi_rank_of(*p) == Some(1)).expect("rank 1's process");
+    let ranks: Vec<u32> = procs.iter().copied().filter(|p| mpi_rank_of(*p).is_some()).collect();
+    assert!(ranks.len() >= 4, "expected 4 rank processes, found {ranks:?}");
+    let killed_at = Instant::now();
+    let status = Command::new("kill").args(["-9", &victim.to_string()]).status().expect("kill");
+    assert!(status.success());
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        if killed_at.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            panic!("the job did not end within 60 s of the kill");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let o = child.wait_with_output().expect("output");
+    let t = text(&o);
+    assert!(!status.success(), "the job must fail: {t}");
+    assert!(t.contains("the MPI job failed"), "{t}");
+    println!("job ended {:?} after the kill", killed_at.elapsed());
+    // No rank survives its job.
+    std::thread::sleep(Duration::from_millis(500));
+    let alive: Vec<u32> = ranks
+        .iter()
+        .copied()
+        .filter(|p| Path::new(&format!("/proc/{p}")).exists() && mpi_rank_of(*p).is_some())
+        .collect();
+    assert!(alive.is_empty(), "orphaned rank processes: {alive:?}");
+}
