@@ -31,6 +31,7 @@ use crate::offload::{HostAdam, HostParam};
 use crate::op::FsdpBackend;
 use crate::optim::{AdamState, AdamW, AdamWConfig};
 use crate::param::ShardedParam;
+use crate::tp::TensorParallel;
 
 /// Name of the index file.
 pub const INDEX_FILE: &str = "index.json";
@@ -281,9 +282,11 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     ) -> Result<(), CheckpointError> {
         let dir = dir.as_ref();
         let (rank, world) = (self.rank(), self.world());
-        let group = self.mesh().group_at(0);
+        let group = self.shard_group();
+        // HSDP: replicas hold the same shards; the first replica writes them.
+        let writer = self.replicate_rank() == 0;
         std::fs::create_dir_all(dir).map_err(io_err(dir))?;
-        if rank == 0 {
+        if rank == 0 && writer {
             // An older index in this directory must not validate the files about to change.
             let old = dir.join(INDEX_FILE);
             if old.exists() {
@@ -316,9 +319,11 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
                 }
             }
         }
-        write_safetensors(dir.join(rank_file(rank, world)), tensors, None)?;
+        if writer {
+            write_safetensors(dir.join(rank_file(rank, world)), tensors, None)?;
+        }
         group.barrier(&Tag::new("checkpoint:files-written")).map_err(FsdpError::from)?;
-        if rank == 0 {
+        if rank == 0 && writer {
             let params = self
                 .units()
                 .iter()
@@ -357,6 +362,127 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         Ok(())
     }
 
+    /// [`save_sharded`](Self::save_sharded) for a tensor-parallel model (FSDP over the dp
+    /// group of a `dp × tp` mesh): writes the same format as a 1D run of world size dp, with
+    /// whole (unsplit) parameters, so the checkpoint loads on any mesh.
+    ///
+    /// Every parameter and its AdamW state are all-gathered over dp and tp first (so each rank
+    /// briefly holds the full model and optimizer state); the tp-rank-0 ranks write.
+    pub fn save_sharded_tp(
+        &self,
+        dir: impl AsRef<Path>,
+        optim: &AdamW<B::InnerBackend>,
+        step: u64,
+        model_config: &serde_json::Value,
+        tp: &TensorParallel<B::InnerBackend>,
+    ) -> Result<(), CheckpointError> {
+        if self.host_store().is_some() || self.replicate_group().is_some() {
+            return Err(FsdpError::Config(
+                "tensor-parallel checkpoints support neither offload nor HSDP".into(),
+            )
+            .into());
+        }
+        let dir = dir.as_ref();
+        let (rank, world) = (self.rank(), self.world());
+        let (dp, tpg) = (self.shard_group().clone(), tp.group().clone());
+        let writer = tpg.rank() == 0;
+        let device = self.mesh().device().clone();
+        let barrier = |name: &str| -> Result<(), CheckpointError> {
+            dp.barrier(&Tag::new(format!("checkpoint:{name}"))).map_err(FsdpError::from)?;
+            tpg.barrier(&Tag::new(format!("checkpoint:{name}:tp"))).map_err(FsdpError::from)?;
+            Ok(())
+        };
+        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+        if rank == 0 && writer {
+            let old = dir.join(INDEX_FILE);
+            if old.exists() {
+                std::fs::remove_file(&old).map_err(io_err(&old))?;
+            }
+        }
+        barrier("begin")?;
+        let shards = self.shard_values();
+        // The whole parameter from every dp rank's padded flat shard, then from every tp slice.
+        let whole = |p: &ShardedParam,
+                     what: &str,
+                     flat: Vec<f32>|
+         -> Result<(Vec<usize>, Vec<f32>), CheckpointError> {
+            let n = flat.len();
+            let t = Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(flat, [n]), &device);
+            let mut full = if world > 1 {
+                to_f32(
+                    dp.all_gather(t, &Tag::new(format!("checkpoint:{what}:{}", p.path)))
+                        .map_err(FsdpError::from)?,
+                )
+            } else {
+                to_f32(t)
+            };
+            full.truncate(p.global_shape.iter().product());
+            Ok(tp.unsplit(&p.path, &p.global_shape, full, &device).map_err(FsdpError::from)?)
+        };
+        let mut tensors = Vec::new();
+        let mut entries = Vec::new();
+        for unit in self.units() {
+            for p in &unit.params {
+                let values = shards.get(&p.id).cloned().unwrap_or_default();
+                let (shape, full) = whole(p, "param", values)?;
+                let global = ShardedParam::new(p.id, p.path.clone(), shape.clone(), world);
+                let rows = |v: &[f32]| {
+                    let r = global.rows_of(rank);
+                    let mut sh = shape.clone();
+                    sh[0] = r.len();
+                    (sh, v[r.start * global.row_numel()..r.end * global.row_numel()].to_vec())
+                };
+                let (sh, mine) = rows(&full);
+                tensors.push((format!("param/{}", p.path), TensorOut::F32(sh, mine)));
+                if let Some(s) = optim.state(&p.id) {
+                    let (step, m, v) = (s.step, to_f32(s.exp_avg.clone()), to_f32(s.exp_avg_sq.clone()));
+                    let (_, m) = whole(p, "exp_avg", m)?;
+                    let (_, v) = whole(p, "exp_avg_sq", v)?;
+                    let (sh, m) = rows(&m);
+                    let (_, v) = rows(&v);
+                    tensors.push((format!("exp_avg/{}", p.path), TensorOut::F32(sh.clone(), m)));
+                    tensors.push((format!("exp_avg_sq/{}", p.path), TensorOut::F32(sh, v)));
+                    tensors.push((format!("step/{}", p.path), TensorOut::I64(vec![1], vec![step as i64])));
+                }
+                entries.push(ParamEntry {
+                    name: p.path.clone(),
+                    shape,
+                    dtype: "F32".into(),
+                    unit: unit.name.clone(),
+                    rows: (0..world).map(|r| (global.rows_of(r).start, global.rows_of(r).end)).collect(),
+                });
+            }
+        }
+        if writer {
+            write_safetensors(dir.join(rank_file(rank, world)), tensors, None)?;
+        }
+        barrier("files-written")?;
+        if rank == 0 && writer {
+            let files = (0..world)
+                .map(|r| {
+                    let name = rank_file(r, world);
+                    let p = dir.join(&name);
+                    let bytes = std::fs::metadata(&p).map_err(io_err(&p))?.len();
+                    Ok(FileEntry { name, bytes })
+                })
+                .collect::<Result<Vec<_>, IoError>>()?;
+            let index = CheckpointIndex {
+                format: FORMAT.into(),
+                step,
+                world_size: world,
+                model_config: model_config.clone(),
+                optimizer: Some((*optim.config()).into()),
+                params: entries,
+                files,
+            };
+            let json = serde_json::to_string_pretty(&index)
+                .map_err(|e| invalid(dir.join(INDEX_FILE), e.to_string()))?;
+            write_atomic(&dir.join(INDEX_FILE), json.as_bytes())?;
+        }
+        barrier("done")?;
+        Ok(())
+    }
+
     /// Loads a checkpoint saved at any world size into this rank's shards and `optim`.
     ///
     /// Fails (changing nothing) when the model config, parameter names or shapes differ, or a
@@ -366,6 +492,20 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         dir: impl AsRef<Path>,
         optim: &mut AdamW<B::InnerBackend>,
         model_config: &serde_json::Value,
+    ) -> Result<CheckpointIndex, CheckpointError> {
+        self.load_sharded_with(dir, optim, model_config, None)
+    }
+
+    /// [`load_sharded`](Self::load_sharded) into a tensor-parallel model: with `tp`, every
+    /// parameter is checked against its global (unsplit) shape and this rank loads its tp
+    /// slice, then its dp shard of that. Any checkpoint loads on any mesh: files always hold
+    /// whole (unsplit) parameters.
+    pub fn load_sharded_with(
+        &mut self,
+        dir: impl AsRef<Path>,
+        optim: &mut AdamW<B::InnerBackend>,
+        model_config: &serde_json::Value,
+        tp: Option<&TensorParallel<B::InnerBackend>>,
     ) -> Result<CheckpointIndex, CheckpointError> {
         let reader = CheckpointReader::open(dir.as_ref())?;
         let index_path = reader.dir().join(INDEX_FILE);
@@ -396,16 +536,22 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
             let Some(e) = entries.get(p.path.as_str()) else {
                 return Err(invalid(&index_path, format!("has no parameter `{}`", p.path)));
             };
-            if e.shape != p.global_shape {
+            let want =
+                tp.map_or_else(|| p.global_shape.clone(), |tp| tp.global_shape(&p.path, &p.global_shape));
+            if e.shape != want {
                 return Err(invalid(
                     &index_path,
-                    format!("parameter `{}` has shape {:?}, the model {:?}", p.path, e.shape, p.global_shape),
+                    format!("parameter `{}` has shape {:?}, the model {:?}", p.path, e.shape, want),
                 ));
             }
-            values.insert(p.id, shard_values(p, rank, &reader.full("param", e)?));
+            let local = |full: Vec<f32>| match tp {
+                Some(tp) => tp.local_slice(&p.path, &e.shape, &full).1,
+                None => full,
+            };
+            values.insert(p.id, shard_values(p, rank, &local(reader.full("param", e)?)));
             if let Some(step) = reader.step_of(e)? {
-                let m = shard_values(p, rank, &reader.full("exp_avg", e)?);
-                let v = shard_values(p, rank, &reader.full("exp_avg_sq", e)?);
+                let m = shard_values(p, rank, &local(reader.full("exp_avg", e)?));
+                let v = shard_values(p, rank, &local(reader.full("exp_avg_sq", e)?));
                 states.push((p.id, step, m, v));
             }
         }

@@ -36,6 +36,8 @@ impl Phase {
 pub struct UnitComm<B: Backend> {
     /// The data-parallel group the unit is sharded over.
     pub group: Arc<dyn ProcessGroup<B>>,
+    /// HSDP: the group of replicas, across which reduced shard gradients are averaged.
+    pub replicate: Option<Arc<dyn ProcessGroup<B>>>,
     /// Unit name (module path), for tags.
     pub name: String,
     /// Elements of the rank's flat shard.
@@ -95,7 +97,14 @@ impl<B: Backend> UnitComm<B> {
             Some(dt) if dt != grad_dtype => total.cast(dt),
             _ => total,
         };
-        match self.group.reduce_scatter(total, ReduceOp::Avg, &self.tag(Phase::ReduceScatter)) {
+        let reduced = self.group.reduce_scatter(total, ReduceOp::Avg, &self.tag(Phase::ReduceScatter));
+        let reduced = match (&self.replicate, reduced) {
+            (Some(rep), Ok(g)) if rep.size() > 1 => {
+                rep.all_reduce(g, ReduceOp::Avg, &Tag::new(format!("{}:replica-all-reduce", self.name)))
+            }
+            (_, r) => r,
+        };
+        match reduced {
             Ok(g) => Some(g),
             Err(e) => panic!("FSDP unit `{}`: {e}", self.name),
         }

@@ -13,11 +13,11 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 
 use crate::collectives::UnitComm;
-use crate::comm::{CommError, CommStats, ReduceOp, Tag};
+use crate::comm::{CommError, CommStats, ProcessGroup, ReduceOp, Tag};
 use crate::mesh::DeviceMesh;
 use crate::offload::{HostStore, OffloadPolicy};
 use crate::op::FsdpBackend;
-use crate::optim::{AdamW, clip_coefficient, grad_sq_sum, scale_grads};
+use crate::optim::{AdamW, clip_coefficient, grad_sq_sum, grad_sq_sum_split, scale_grads};
 use crate::param::ShardedParam;
 use crate::runner::UnitRunner;
 use crate::unit::FsdpUnit;
@@ -233,7 +233,18 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     /// Every rank calls this with the same (fully initialised) model, built by the rank
     /// itself: ranks must never share tracked tensors.
     pub fn wrap(model: M, mesh: &DeviceMesh<B::InnerBackend>, config: FsdpConfig) -> Result<Self, FsdpError> {
-        let group = mesh.group_at(0).clone();
+        // 1D mesh: FSDP over it. 2D mesh: HSDP, `(replicate, shard)`: parameters are sharded
+        // over the inner dimension and replicated over the outer one.
+        if mesh.ndim() == 0 || mesh.ndim() > 2 {
+            return Err(FsdpError::Config(format!(
+                "FSDP takes a 1D mesh (shard) or a 2D mesh (replicate, shard), got {} dimensions {:?}; \
+                 for data × tensor parallelism pass the data-parallel sub-mesh (DeviceMesh::submesh)",
+                mesh.ndim(),
+                mesh.dim_names()
+            )));
+        }
+        let group = mesh.group_at(mesh.ndim() - 1).clone();
+        let replicate = (mesh.ndim() == 2).then(|| mesh.group_at(0).clone());
         let (rank, world) = (group.rank(), group.size());
         if config.reshard_after_forward && world > 1 && !B::recomputes() {
             return Err(FsdpError::Config(
@@ -293,6 +304,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
                 FsdpUnit {
                     comm: Arc::new(UnitComm {
                         group: group.clone(),
+                        replicate: replicate.clone(),
                         name: if name.is_empty() { "<root>".to_owned() } else { name.clone() },
                         shard_len: len,
                         sync: sync.clone(),
@@ -355,17 +367,32 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
 
     /// This rank in the data-parallel group.
     pub fn rank(&self) -> usize {
-        self.mesh.group_at(0).rank()
+        self.shard_group().rank()
     }
 
     /// Size of the data-parallel group.
     pub fn world(&self) -> usize {
-        self.mesh.group_at(0).size()
+        self.shard_group().size()
     }
 
     /// Collective counters of this rank's data-parallel group.
     pub fn comm_stats(&self) -> CommStats {
-        self.mesh.group_at(0).stats()
+        self.shard_group().stats()
+    }
+
+    /// The group parameters are sharded over (the mesh's last dimension).
+    pub fn shard_group(&self) -> &Arc<dyn ProcessGroup<B::InnerBackend>> {
+        self.mesh.group_at(self.mesh.ndim() - 1)
+    }
+
+    /// With HSDP (a 2D mesh), the group over which shards are replicated.
+    pub fn replicate_group(&self) -> Option<&Arc<dyn ProcessGroup<B::InnerBackend>>> {
+        (self.mesh.ndim() == 2).then(|| self.mesh.group_at(0))
+    }
+
+    /// This rank's index among the replicas (0 without HSDP).
+    pub fn replicate_rank(&self) -> usize {
+        self.replicate_group().map_or(0, |g| g.rank())
     }
 
     /// Runs a forward pass: all-gathers the root unit, then calls `f` with the gathered root
@@ -435,7 +462,19 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
             Some(host) => host.grad_sq_sum(),
             None => grad_sq_sum::<B, M>(&self.module, grads),
         };
-        let total = self.all_reduce_scalar(local, ReduceOp::Sum, "clip_grad_norm")?;
+        // Over the shard group only: with HSDP every replica holds the same reduced gradients.
+        let total = if self.world() == 1 {
+            local
+        } else {
+            let t = Tensor::<B::InnerBackend, 1>::from_data(
+                TensorData::new(vec![local as f32], [1]),
+                self.mesh.device(),
+            );
+            self.shard_group()
+                .all_reduce(t, ReduceOp::Sum, &Tag::new("clip_grad_norm"))?
+                .into_scalar()
+                .elem_f64()
+        };
         let norm = total.sqrt();
         if max_norm.is_finite() && max_norm > 0.0 {
             let coef = clip_coefficient(norm, max_norm);
@@ -449,16 +488,64 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         Ok(norm)
     }
 
+    /// [`clip_grad_norm`](Self::clip_grad_norm) on a data × tensor parallel mesh, where this
+    /// FSDP shards tp-local parameters over the data-parallel group: one all-reduce over dp
+    /// of the squared sums of split and of replicated parameters, one over tp of the split
+    /// part (replicated parameters have identical gradients on every tp rank and count once).
+    pub fn clip_grad_norm_tp(
+        &self,
+        grads: &mut GradientsParams,
+        max_norm: f64,
+        tp: &crate::tp::TensorParallel<B::InnerBackend>,
+    ) -> Result<f64, FsdpError>
+    where
+        M: AutodiffModule<B>,
+    {
+        if self.host.is_some() {
+            return Err(FsdpError::Config("CPU offload is not supported with tensor parallelism".into()));
+        }
+        let (split, rest) = grad_sq_sum_split::<B, M>(&self.module, grads, |id| tp.is_split(id));
+        let device = self.mesh.device();
+        let mut sums = Tensor::<B::InnerBackend, 1>::from_data(
+            TensorData::new(vec![split as f32, rest as f32], [2]),
+            device,
+        );
+        if self.world() > 1 {
+            sums = self.shard_group().all_reduce(sums, ReduceOp::Sum, &Tag::new("clip_grad_norm"))?;
+        }
+        let v: Vec<f32> = sums.into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default();
+        let (mut split, rest) = (v.first().copied().unwrap_or(0.0), v.get(1).copied().unwrap_or(0.0));
+        if tp.group().size() > 1 {
+            let t = Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(vec![split], [1]), device);
+            split = tp
+                .group()
+                .all_reduce(t, ReduceOp::Sum, &Tag::new("tp:clip_grad_norm"))?
+                .into_scalar()
+                .elem_f64() as f32;
+        }
+        let norm = (split as f64 + rest as f64).sqrt();
+        if max_norm.is_finite() && max_norm > 0.0 {
+            let coef = clip_coefficient(norm, max_norm);
+            if coef < 1.0 {
+                scale_grads::<B, M>(&self.module, grads, coef);
+            }
+        }
+        Ok(norm)
+    }
+
     /// All-reduces one number over the data-parallel group.
     pub fn all_reduce_scalar(&self, value: f64, op: ReduceOp, tag: &str) -> Result<f64, FsdpError> {
-        if self.world() == 1 {
+        if self.world() == 1 && self.replicate_group().is_none_or(|g| g.size() == 1) {
             return Ok(value);
         }
         let t = Tensor::<B::InnerBackend, 1>::from_data(
             TensorData::new(vec![value as f32], [1]),
             self.mesh.device(),
         );
-        let r = self.mesh.group_at(0).all_reduce(t, op, &Tag::new(tag))?;
+        let mut r = self.shard_group().all_reduce(t, op, &Tag::new(tag))?;
+        if let Some(rep) = self.replicate_group() {
+            r = rep.all_reduce(r, op, &Tag::new(format!("{tag}:replicas")))?;
+        }
         Ok(r.into_scalar().elem_f64())
     }
 
@@ -476,6 +563,24 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         self.module = optim.step(module, grads);
     }
 
+    /// [`full_parameters`](Self::full_parameters) of a tensor-parallel model: each parameter
+    /// also reassembled from its tp slices (every rank of the mesh must call this).
+    pub fn full_parameters_tp(
+        &self,
+        tp: &crate::tp::TensorParallel<B::InnerBackend>,
+    ) -> Result<Vec<(String, Vec<usize>, TensorData)>, FsdpError> {
+        let device = self.mesh.device().clone();
+        self.full_parameters()?
+            .into_iter()
+            .map(|(name, shape, data)| {
+                let v = data.convert::<f32>().to_vec::<f32>().unwrap_or_default();
+                let (shape, v) = tp.unsplit(&name, &shape, v, &device)?;
+                let n = shape.clone();
+                Ok((name, shape, TensorData::new(v, n)))
+            })
+            .collect()
+    }
+
     /// The host store of an offloaded FSDP (`None` without offload).
     pub fn host_store(&self) -> Option<&HostStore> {
         self.host.as_deref()
@@ -485,7 +590,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     /// rank must call this; each gets the full list). For export and checks.
     pub fn full_parameters(&self) -> Result<Vec<(String, Vec<usize>, TensorData)>, FsdpError> {
         let shards = self.shard_values();
-        let group = self.mesh.group_at(0);
+        let group = self.shard_group();
         let mut out = Vec::new();
         for unit in &self.units {
             if unit.params.is_empty() {
@@ -508,7 +613,10 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
 
     /// At world size 1 without a dtype change nothing needs gathering.
     fn bypass(&self) -> bool {
-        self.world() == 1 && self.config.mp_policy.param_dtype.is_none() && self.host.is_none()
+        self.world() == 1
+            && self.replicate_group().is_none_or(|g| g.size() == 1)
+            && self.config.mp_policy.param_dtype.is_none()
+            && self.host.is_none()
     }
 
     /// This rank's padded shard of every parameter, flattened to `f32` host values.

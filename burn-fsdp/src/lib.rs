@@ -29,6 +29,7 @@ pub mod op;
 pub mod optim;
 pub mod param;
 pub mod runner;
+pub mod tp;
 pub mod unit;
 
 pub use comm::{CollectiveKind, CommError, CommStats, ProcessGroup, ReduceOp, Tag};
@@ -37,4 +38,4 @@ pub use local::{LocalGroup, launch};
 pub use mesh::DeviceMesh;
 pub use op::FsdpBackend;
 pub use optim::{AdamW, AdamWConfig, clip_grad_norm, grad_norm};
-pub use runner::{Direct, UnitRunner};
+pub use runner::{Direct, ModuleHooks, NoHooks, UnitRunner};

@@ -5,20 +5,81 @@
 //! (the group is aborted, so nobody waits for the timeout).
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Element, Tensor, TensorData, bf16, f16};
 
 use crate::comm::{CollectiveKind, CommCounters, CommError, CommStats, ProcessGroup, ReduceOp, Tag};
 
 /// Default collective timeout.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// What a rank contributes: its tensor itself (ranks are threads of one process, so the
-/// tensor is shared, not serialised; the receiving ranks combine them with backend ops).
+/// Nanoseconds spent in collectives of each kind, summed over all ranks of all groups.
+static TOTAL_NANOS: [AtomicU64; 5] = [const { AtomicU64::new(0) }; 5];
+/// Of which waiting for the other ranks to arrive.
+static WAIT_NANOS: [AtomicU64; 5] = [const { AtomicU64::new(0) }; 5];
+
+/// Wall time spent inside in-process collectives, summed over every rank (thread) of every
+/// [`LocalGroup`] of the process, per [`CollectiveKind::index`]: a diagnostic for benchmarks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CollectiveTime {
+    /// Time from entering a collective to returning from it.
+    pub total: [Duration; 5],
+    /// The part of `total` spent waiting for the last rank to arrive (load imbalance and
+    /// synchronisation rather than data movement).
+    pub waiting: [Duration; 5],
+}
+
+impl CollectiveTime {
+    /// The counters now.
+    pub fn now() -> Self {
+        let read =
+            |a: &[AtomicU64; 5]| std::array::from_fn(|i| Duration::from_nanos(a[i].load(Ordering::Relaxed)));
+        Self { total: read(&TOTAL_NANOS), waiting: read(&WAIT_NANOS) }
+    }
+
+    /// `self - earlier`, per counter.
+    pub fn since(&self, earlier: &Self) -> Self {
+        Self {
+            total: std::array::from_fn(|i| self.total[i].saturating_sub(earlier.total[i])),
+            waiting: std::array::from_fn(|i| self.waiting[i].saturating_sub(earlier.waiting[i])),
+        }
+    }
+}
+
+/// Adds the time until it is dropped to [`WAIT_NANOS`] of its kind.
+struct Waiting(CollectiveKind, Instant);
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        WAIT_NANOS[self.0.index()].fetch_add(self.1.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+}
+
+/// Adds the time until it is dropped to [`TOTAL_NANOS`] of its kind.
+struct Timed(CollectiveKind, Instant);
+
+impl Timed {
+    fn start(kind: CollectiveKind) -> Self {
+        Self(kind, Instant::now())
+    }
+}
+
+impl Drop for Timed {
+    fn drop(&mut self) {
+        TOTAL_NANOS[self.0.index()].fetch_add(self.1.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    }
+}
+
+/// What a rank contributes. All-gather, reduce-scatter and all-reduce share host copies of
+/// the rank's elements (`Vec<TensorData>`, one per destination chunk), which the receiving
+/// ranks combine with plain slice copies and loops into one pre-sized buffer per rank (each
+/// rank gets its own output, as on separate devices). Broadcast shares the tensor itself.
 type Payload = Arc<dyn std::any::Any + Send + Sync>;
 
 struct Round {
@@ -137,6 +198,7 @@ impl LocalGroup {
         round.inputs[self.rank] = Some(input);
         round.arrived += 1;
         self.shared.cv.notify_all();
+        let _waiting = Waiting(kind, Instant::now());
         let deadline = Instant::now() + self.shared.timeout;
         loop {
             if let Some((failed_rank, reason)) = &st.aborted {
@@ -216,10 +278,168 @@ impl LocalGroup {
         }
         Ok(out)
     }
+
+    /// Chunk `pick` of every rank's host chunks, checked to have `n` elements of `dtype`.
+    fn host_parts<'a>(
+        &self,
+        kind: CollectiveKind,
+        tag: &Tag,
+        inputs: &'a [Payload],
+        pick: usize,
+        n: usize,
+        dtype: DType,
+    ) -> Result<Vec<&'a TensorData>, CommError> {
+        let mut out = Vec::with_capacity(inputs.len());
+        for (r, p) in inputs.iter().enumerate() {
+            let Some(chunk) = p.downcast_ref::<Vec<TensorData>>().and_then(|c| c.get(pick)) else {
+                return Err(self.bad(kind, tag, format!("rank {r} contributed an input of another kind")));
+            };
+            if chunk.shape.num_elements() != n || chunk.dtype != dtype {
+                return Err(self.bad(
+                    kind,
+                    tag,
+                    format!(
+                        "rank {r} contributed {} elements of {:?}, rank {} {n} of {dtype:?}",
+                        chunk.shape.num_elements(),
+                        chunk.dtype,
+                        self.rank
+                    ),
+                ));
+            }
+            out.push(chunk);
+        }
+        Ok(out)
+    }
+
+    /// Reduce-scatter (`scatter`) or all-reduce of `input` through host chunks.
+    fn reduce_through_host<B: Backend>(
+        &self,
+        kind: CollectiveKind,
+        input: Tensor<B, 1>,
+        op: ReduceOp,
+        tag: &Tag,
+        scatter: bool,
+    ) -> Result<Tensor<B, 1>, CommError> {
+        let size = self.shared.size;
+        let device = input.device();
+        let dtype = input.dtype();
+        let chunks = if scatter { size } else { 1 };
+        let n = input.shape().num_elements() / chunks;
+        let bytes = payload_bytes(&input);
+        let mine = host_chunks(&input, chunks);
+        drop(input);
+        let inputs = self.exchange(kind, tag, Arc::new(mine), bytes)?;
+        let pick = if scatter { self.rank } else { 0 };
+        let parts = self.host_parts(kind, tag, &inputs, pick, n, dtype)?;
+        let data = match reduce_host(&parts, dtype, op) {
+            Some(data) => data,
+            None => {
+                let tensors: Vec<Tensor<B, 1>> =
+                    parts.iter().map(|p| Tensor::from_data((*p).clone(), (&device, dtype))).collect();
+                return Ok(reduce_range(&tensors, 0..n, op));
+            }
+        };
+        Ok(Tensor::from_data(data, (&device, dtype)))
+    }
 }
 
 fn payload_bytes<B: Backend>(t: &Tensor<B, 1>) -> u64 {
     (t.shape().num_elements() * t.dtype().size()) as u64
+}
+
+/// A host copy of elements `range` of `t`, in `t`'s dtype.
+///
+/// Through `slice` first: on NdArray that is one `memcpy` into a fresh array, which
+/// `into_data` then hands over without copying, whereas `into_data` of a tensor whose storage
+/// is shared (a parameter shard, say) goes element by element (~100× slower).
+fn host_range<B: Backend>(t: &Tensor<B, 1>, range: Range<usize>) -> TensorData {
+    if range.is_empty() {
+        return TensorData::from_bytes_vec(Vec::new(), [0], t.dtype());
+    }
+    t.clone().slice(range).into_data()
+}
+
+/// `t` split into `chunks` equal host chunks (see [`host_range`]).
+fn host_chunks<B: Backend>(t: &Tensor<B, 1>, chunks: usize) -> Vec<TensorData> {
+    let n = t.shape().num_elements() / chunks;
+    (0..chunks).map(|k| host_range(t, k * n..(k + 1) * n)).collect()
+}
+
+/// The concatenation of `parts` (all of element type `E`) in one pre-sized vector.
+fn concat_as<E: Element>(parts: &[&TensorData]) -> TensorData {
+    let len: usize = parts.iter().map(|p| p.shape.num_elements()).sum();
+    let mut out: Vec<E> = Vec::with_capacity(len);
+    for p in parts {
+        match p.as_slice::<E>() {
+            Ok(s) => out.extend_from_slice(s),
+            // Misaligned bytes (never from a backend's `into_data`, but possible in principle).
+            Err(_) => out.extend(p.iter::<E>()),
+        }
+    }
+    TensorData::new(out, [len])
+}
+
+/// The concatenation of `parts` of dtype `dtype`, or `None` for dtypes without a plain
+/// element type (quantized, `Flex32`, bool), which the caller concatenates with backend ops.
+fn concat_host(parts: &[&TensorData], dtype: DType) -> Option<TensorData> {
+    Some(match dtype {
+        DType::F64 => concat_as::<f64>(parts),
+        DType::F32 => concat_as::<f32>(parts),
+        DType::F16 => concat_as::<f16>(parts),
+        DType::BF16 => concat_as::<bf16>(parts),
+        DType::I64 => concat_as::<i64>(parts),
+        DType::I32 => concat_as::<i32>(parts),
+        DType::I16 => concat_as::<i16>(parts),
+        DType::I8 => concat_as::<i8>(parts),
+        DType::U64 => concat_as::<u64>(parts),
+        DType::U32 => concat_as::<u32>(parts),
+        DType::U16 => concat_as::<u16>(parts),
+        DType::U8 => concat_as::<u8>(parts),
+        _ => return None,
+    })
+}
+
+/// Sum (or mean, dividing by `divisor`) of `parts` in rank order, element by element: the
+/// same operations in the same order as the backend ops of [`reduce_range`] (`acc + part`,
+/// then `acc / world`), so the results are bit-identical to them. Done in cache-sized blocks,
+/// so the output is written once.
+fn sum_as<E: Element + std::ops::Add<Output = E> + std::ops::Div<Output = E>>(
+    parts: &[&TensorData],
+    divisor: Option<E>,
+) -> Option<TensorData> {
+    const BLOCK: usize = 4096;
+    let slices = parts.iter().map(|p| p.as_slice::<E>().ok()).collect::<Option<Vec<&[E]>>>()?;
+    let n = slices[0].len();
+    let mut acc: Vec<E> = Vec::with_capacity(n);
+    for start in (0..n).step_by(BLOCK) {
+        let end = (start + BLOCK).min(n);
+        acc.extend_from_slice(&slices[0][start..end]);
+        let block = &mut acc[start..end];
+        for s in &slices[1..] {
+            for (a, &b) in block.iter_mut().zip(&s[start..end]) {
+                *a = *a + b;
+            }
+        }
+        if let Some(d) = divisor {
+            for a in block.iter_mut() {
+                *a = *a / d;
+            }
+        }
+    }
+    Some(TensorData::new(acc, [n]))
+}
+
+/// The host reduction of `parts` for f32 and f64 sums and means; `None` for other dtypes and
+/// ops, which the caller reduces with backend ops ([`reduce_range`]).
+fn reduce_host(parts: &[&TensorData], dtype: DType, op: ReduceOp) -> Option<TensorData> {
+    let world = parts.len();
+    match (dtype, op) {
+        (DType::F32, ReduceOp::Sum) => sum_as::<f32>(parts, None),
+        (DType::F32, ReduceOp::Avg) => sum_as::<f32>(parts, Some(world as f32)),
+        (DType::F64, ReduceOp::Sum) => sum_as::<f64>(parts, None),
+        (DType::F64, ReduceOp::Avg) => sum_as::<f64>(parts, Some(world as f64)),
+        _ => None,
+    }
 }
 
 /// Reduces `range` of every tensor in rank order (the same order on every rank, so all ranks
@@ -262,15 +482,27 @@ impl<B: Backend> ProcessGroup<B> for LocalGroup {
     }
 
     fn all_gather(&self, input: Tensor<B, 1>, tag: &Tag) -> Result<Tensor<B, 1>, CommError> {
+        let _timed = Timed::start(CollectiveKind::AllGather);
         if self.shared.size == 1 {
             return Ok(input);
         }
         let kind = CollectiveKind::AllGather;
         let device = input.device();
+        let (n, dtype) = (input.shape().num_elements(), input.dtype());
         let bytes = payload_bytes(&input);
-        let inputs = self.exchange(kind, tag, Arc::new(input), bytes)?;
-        let tensors = self.tensors::<B>(kind, tag, inputs, &device)?;
-        Ok(Tensor::cat(tensors, 0))
+        let mine = vec![host_range(&input, 0..n)];
+        drop(input);
+        let inputs = self.exchange(kind, tag, Arc::new(mine), bytes)?;
+        let parts = self.host_parts(kind, tag, &inputs, 0, n, dtype)?;
+        let data = match concat_host(&parts, dtype) {
+            Some(data) => data,
+            None => {
+                let tensors: Vec<Tensor<B, 1>> =
+                    parts.iter().map(|p| Tensor::from_data((*p).clone(), (&device, dtype))).collect();
+                return Ok(Tensor::cat(tensors, 0));
+            }
+        };
+        Ok(Tensor::from_data(data, (&device, dtype)))
     }
 
     fn reduce_scatter(
@@ -279,37 +511,29 @@ impl<B: Backend> ProcessGroup<B> for LocalGroup {
         op: ReduceOp,
         tag: &Tag,
     ) -> Result<Tensor<B, 1>, CommError> {
+        let _timed = Timed::start(CollectiveKind::ReduceScatter);
         if self.shared.size == 1 {
             return Ok(input);
         }
         let kind = CollectiveKind::ReduceScatter;
         let size = self.shared.size;
-        let device = input.device();
         let total = input.shape().num_elements();
         if !total.is_multiple_of(size) {
             return Err(self.bad(kind, tag, format!("{total} elements do not split into {size} chunks")));
         }
-        let bytes = payload_bytes(&input);
-        let inputs = self.exchange(kind, tag, Arc::new(input), bytes)?;
-        let tensors = self.tensors::<B>(kind, tag, inputs, &device)?;
-        let n = total / size;
-        Ok(reduce_range(&tensors, self.rank * n..(self.rank + 1) * n, op))
+        self.reduce_through_host(kind, input, op, tag, true)
     }
 
     fn all_reduce(&self, input: Tensor<B, 1>, op: ReduceOp, tag: &Tag) -> Result<Tensor<B, 1>, CommError> {
+        let _timed = Timed::start(CollectiveKind::AllReduce);
         if self.shared.size == 1 {
             return Ok(input);
         }
-        let kind = CollectiveKind::AllReduce;
-        let device = input.device();
-        let n = input.shape().num_elements();
-        let bytes = payload_bytes(&input);
-        let inputs = self.exchange(kind, tag, Arc::new(input), bytes)?;
-        let tensors = self.tensors::<B>(kind, tag, inputs, &device)?;
-        Ok(reduce_range(&tensors, 0..n, op))
+        self.reduce_through_host(CollectiveKind::AllReduce, input, op, tag, false)
     }
 
     fn broadcast(&self, input: Tensor<B, 1>, root: usize, tag: &Tag) -> Result<Tensor<B, 1>, CommError> {
+        let _timed = Timed::start(CollectiveKind::Broadcast);
         if self.shared.size == 1 {
             return Ok(input);
         }
@@ -329,6 +553,7 @@ impl<B: Backend> ProcessGroup<B> for LocalGroup {
     }
 
     fn barrier(&self, tag: &Tag) -> Result<(), CommError> {
+        let _timed = Timed::start(CollectiveKind::Barrier);
         if self.shared.size == 1 {
             return Ok(());
         }
@@ -503,6 +728,31 @@ mod tests {
         })
         .unwrap_err();
         assert!(e.message.contains("do not split"), "{e}");
+    }
+
+    #[test]
+    fn host_sums_are_bit_identical_to_backend_ops() {
+        // Values of mixed magnitudes and signs, so that rounding depends on the order.
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x >> 11) as f64 / (1u64 << 53) as f64 - 0.5) as f32 * 10f32.powi((x % 9) as i32 - 4)
+        };
+        for world in [2usize, 3, 5, 7] {
+            let n = 10_000;
+            let inputs: Vec<Vec<f32>> = (0..world).map(|_| (0..n).map(|_| next()).collect()).collect();
+            let data: Vec<TensorData> = inputs.iter().map(|v| TensorData::new(v.clone(), [n])).collect();
+            let parts: Vec<&TensorData> = data.iter().collect();
+            let tensors: Vec<Tensor<B, 1>> = inputs.into_iter().map(t).collect();
+            for op in [ReduceOp::Sum, ReduceOp::Avg] {
+                let host = reduce_host(&parts, DType::F32, op).unwrap().to_vec::<f32>().unwrap();
+                let ops = vals(reduce_range(&tensors, 0..n, op));
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&host), bits(&ops), "W={world} {op:?}");
+            }
+        }
     }
 
     #[test]

@@ -45,6 +45,30 @@ impl<B: Backend> DeviceMesh<B> {
         Self { names, groups, device }
     }
 
+    /// A 2D mesh `[outer, inner]`, e.g. `("dp", dp_group)` × `("tp", tp_group)` for data ×
+    /// tensor parallelism or `("replicate", …)` × `("shard", …)` for HSDP. Global rank =
+    /// `outer_rank · inner_size + inner_rank` (row-major, as PyTorch's `init_device_mesh`).
+    ///
+    /// Each group is this rank's handle on its row or column of the mesh: ranks sharing the
+    /// outer index form one inner group, ranks sharing the inner index one outer group.
+    pub fn new_2d(
+        outer: (&str, Arc<dyn ProcessGroup<B>>),
+        inner: (&str, Arc<dyn ProcessGroup<B>>),
+        device: B::Device,
+    ) -> Self {
+        Self { names: vec![outer.0.to_owned(), inner.0.to_owned()], groups: vec![outer.1, inner.1], device }
+    }
+
+    /// The 1D mesh of one named dimension (PyTorch's `mesh["dp"]`).
+    pub fn submesh(&self, name: &str) -> Option<Self> {
+        let i = self.names.iter().position(|n| n == name)?;
+        Some(Self {
+            names: vec![name.to_owned()],
+            groups: vec![self.groups[i].clone()],
+            device: self.device.clone(),
+        })
+    }
+
     /// Number of dimensions.
     pub fn ndim(&self) -> usize {
         self.groups.len()

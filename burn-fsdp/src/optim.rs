@@ -211,6 +211,38 @@ pub fn grad_sq_sum<AB: AutodiffBackend, M: AutodiffModule<AB>>(module: &M, grads
     v.total.map(|t| t.into_scalar_f64()).unwrap_or(0.0)
 }
 
+/// [`grad_sq_sum`] split in two: the gradients of parameters for which `first` is true, and
+/// the rest (e.g. tensor-parallel split parameters vs replicated ones).
+pub fn grad_sq_sum_split<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+    module: &M,
+    grads: &GradientsParams,
+    first: impl Fn(burn::module::ParamId) -> bool,
+) -> (f64, f64) {
+    struct SqSum<'a, B: Backend, F> {
+        grads: &'a GradientsParams,
+        first: F,
+        totals: [Option<Tensor<B, 1>>; 2],
+    }
+    impl<AB: AutodiffBackend, F: Fn(burn::module::ParamId) -> bool> ModuleVisitor<AB>
+        for SqSum<'_, AB::InnerBackend, F>
+    {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            if let Some(g) = self.grads.get::<AB::InnerBackend, D>(param.id) {
+                let s = g.square().sum();
+                let slot = &mut self.totals[usize::from(!(self.first)(param.id))];
+                *slot = Some(match slot.take() {
+                    Some(t) => t + s,
+                    None => s,
+                });
+            }
+        }
+    }
+    let mut v = SqSum::<AB::InnerBackend, _> { grads, first, totals: [None, None] };
+    module.visit(&mut v);
+    let [a, b] = v.totals;
+    (a.map(|t| t.into_scalar_f64()).unwrap_or(0.0), b.map(|t| t.into_scalar_f64()).unwrap_or(0.0))
+}
+
 /// Global L2 norm of all gradients of `module` (single device).
 pub fn grad_norm<AB: AutodiffBackend, M: AutodiffModule<AB>>(module: &M, grads: &GradientsParams) -> f64 {
     grad_sq_sum(module, grads).sqrt()

@@ -1,19 +1,38 @@
-//! burn-metax-backend: a Burn backend for MetaX GPUs through the MACA runtime and CubeCL.
+//! burn-metax-backend: a Burn backend for MetaX GPUs through the MACA runtime and CubeCL 0.10.
 //!
-//! This crate currently provides the foundation of that backend:
-//! - [`driver`]: the [`driver::Driver`] trait over the GPU runtime calls (devices, memory,
-//!   copies, streams, events, modules, launches, run-time compilation), its error type with the
+//! - [`Metax`]: `CubeBackend<MacaRuntime, F, I, u8>`, the Burn backend (use
+//!   `burn::backend::Autodiff<Metax>` for training); get a device with
+//!   [`MacaRuntime::first_device`](runtime::DriverRuntime::first_device), which explains why
+//!   there is none (e.g. `libmcruntime.so not found under /opt/maca/lib (MACA_PATH=…)`).
+//! - [`runtime`]: the CubeCL runtime — one compute server ([`runtime::GpuServer`]) generic over a
+//!   [`runtime::Platform`] (driver + cubecl-cpp dialect + run-time compiler): memory pools,
+//!   streams, kernel cache, launches, profiling, and the rule that a blocking read first waits for
+//!   every stream's queued work.
+//! - [`driver`]: the [`driver::Driver`] trait over the GPU runtime calls, its error type with the
 //!   MACA status-code table, and [`driver::MacaDriver`], which opens `libmcruntime.so` at run
-//!   time from `$MACA_PATH/lib` (default `/opt/maca/lib`). Without the SDK, loading fails with
-//!   a clear error and device enumeration returns nothing.
+//!   time from `$MACA_PATH/lib` (default `/opt/maca/lib`). With the `cuda-proxy` feature,
+//!   `driver::CudaDriver` (CUDA driver API + NVRTC through cudarc, loaded at run time) runs the
+//!   same server on NVIDIA GPUs as the `CudaProxy` backend.
 //! - [`dialect`]: [`dialect::MacaDialect`], the cubecl-cpp dialect for MACA (64-lane waves,
 //!   64-bit ballots and shuffle masks, no inline assembly, no MMA), and
 //!   [`dialect::compile_kernel_source`], which compiles a CubeCL kernel to MACA C++ source.
+//! - [`mccl`]: MCCL collectives (`libmccl.so`, loaded at run time): [`mccl::Mccl`] and
+//!   [`mccl::MacaCommunicator`].
 //!
-//! The tests build a mock `libmcruntime.so` (`mock-mcruntime/`, a standalone crate) and run the
-//! driver against it.
+//! The tests build a mock `libmcruntime.so`/`libmccl.so` (`mock-mcruntime/`, a standalone crate)
+//! and run the driver, the server and the backend against it.
 #![warn(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+mod backend;
 pub mod dialect;
 pub mod driver;
+pub mod mccl;
+pub mod runtime;
+
+#[cfg(feature = "cuda-proxy")]
+pub use backend::CudaProxy;
+pub use backend::{Metax, MetaxDevice};
+pub use runtime::{BackendError, MacaDevice, MacaRuntime};
+#[cfg(feature = "cuda-proxy")]
+pub use runtime::{CudaProxyDevice, CudaProxyRuntime};

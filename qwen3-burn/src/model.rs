@@ -15,7 +15,7 @@ use burn::module::{Module, Param};
 use burn::tensor::activation::{silu, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
-use burn_fsdp::runner::{Direct, UnitRunner};
+use burn_fsdp::runner::{Direct, ModuleHooks, NoHooks, UnitRunner};
 
 use crate::config::Qwen3Config;
 
@@ -322,14 +322,20 @@ pub struct DecoderLayer<B: Backend> {
 
 impl<B: Backend> DecoderLayer<B> {
     /// `h = x + attn(norm(x)); h + mlp(norm(h))`.
+    ///
+    /// `hooks` sees the inputs and outputs of `self_attn` and `mlp` (tensor parallelism
+    /// inserts its collectives there; [`NoHooks`] passes everything through).
     pub fn forward(
         &self,
         x: Tensor<B, 3>,
         rope: &Rope<B>,
         cache: Option<(&mut KvCache<B>, usize)>,
+        hooks: &dyn ModuleHooks<B>,
     ) -> Tensor<B, 3> {
-        let h = x.clone() + self.self_attn.forward(self.input_layernorm.forward(x), rope, cache);
-        h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h))
+        let a = hooks.input("self_attn", self.input_layernorm.forward(x.clone()));
+        let h = x + hooks.output("self_attn", self.self_attn.forward(a, rope, cache));
+        let m = hooks.input("mlp", self.post_attention_layernorm.forward(h.clone()));
+        h + hooks.output("mlp", self.mlp.forward(m))
     }
 }
 
@@ -413,18 +419,30 @@ impl<B: Backend> Qwen3<B> {
 
     /// [`forward`](Self::forward) with each decoder layer run through `runner`.
     pub fn forward_with<R: UnitRunner<B>>(&self, ids: Tensor<B, 2, Int>, runner: &mut R) -> Tensor<B, 3> {
-        self.forward_inner(ids, runner, None)
+        self.forward_inner(ids, runner, &NoHooks, None)
+    }
+
+    /// [`forward_with`](Self::forward_with), also calling `hooks` around each layer's
+    /// attention and MLP (how tensor parallelism is applied from outside the model).
+    pub fn forward_hooked<R: UnitRunner<B>>(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        runner: &mut R,
+        hooks: &dyn ModuleHooks<B>,
+    ) -> Tensor<B, 3> {
+        self.forward_inner(ids, runner, hooks, None)
     }
 
     /// Logits of the new tokens `ids`, attending to (and extending) `cache`.
     pub fn forward_cached(&self, ids: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 3> {
-        self.forward_inner(ids, &mut Direct, Some(cache))
+        self.forward_inner(ids, &mut Direct, &NoHooks, Some(cache))
     }
 
     fn forward_inner<R: UnitRunner<B>>(
         &self,
         ids: Tensor<B, 2, Int>,
         runner: &mut R,
+        hooks: &dyn ModuleHooks<B>,
         mut cache: Option<&mut KvCache<B>>,
     ) -> Tensor<B, 3> {
         let device = ids.device();
@@ -434,7 +452,7 @@ impl<B: Backend> Qwen3<B> {
         let mut x = self.model.embed_tokens.forward(ids);
         for (i, layer) in self.model.layers.iter().enumerate() {
             let cache = cache.as_deref_mut().map(|c| (c, i));
-            x = runner.run(layer, x, |layer, x| layer.forward(x, &rope, cache));
+            x = runner.run(layer, x, |layer, x| layer.forward(x, &rope, cache, hooks));
         }
         let x = self.model.norm.forward(x);
         let logits = match &self.lm_head {

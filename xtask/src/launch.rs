@@ -220,11 +220,13 @@ impl MpiRank {
             }
             let group = burn_fsdp::mpi::MpiGroup::world(args.collective_timeout()?)
                 .map_err(|e| anyhow::anyhow!("initialising MPI: {e}"))?;
-            if let Some(w) = args.world_size
+            let want =
+                if args.mesh.is_some() || args.hsdp.is_some() { Some(args.world()) } else { args.world_size };
+            if let Some(w) = want
                 && w != group.size()
             {
                 bail!(
-                    "rank {}: --world-size {w} but the MPI job has {} processes (mpirun -n {})",
+                    "rank {}: --world-size/--mesh/--hsdp ask for {w} ranks but the MPI job has {} processes (mpirun -n {})",
                     group.rank(),
                     group.size(),
                     group.size()
@@ -288,6 +290,33 @@ impl MpiRank {
         }
     }
 
+    /// This rank's mesh groups: the world, or for `--mesh`/`--hsdp` its row and column of the
+    /// mesh, split from the world (row-major: rank = outer · inner_size + inner).
+    #[cfg(feature = "mpi")]
+    fn groups<B: burn::tensor::backend::Backend>(
+        &self,
+        args: &TrainArgs,
+    ) -> Result<crate::train::RankGroups<B>> {
+        use crate::train::Topology;
+        let topology = args.topology();
+        let rank = self.group.rank();
+        if let Topology::Flat(_) = topology {
+            return Ok(crate::train::RankGroups {
+                topology,
+                rank,
+                outer: self.group.clone(),
+                inner: None,
+                gate: None,
+            });
+        }
+        let (_, i) = topology.dims();
+        let (a, b) = (rank / i, rank % i);
+        let err = |e: burn_fsdp::CommError| anyhow::anyhow!("splitting the MPI job into the mesh: {e}");
+        let inner = self.group.split(a as u32, b as u32).map_err(err)?;
+        let outer = self.group.split(b as u32, a as u32).map_err(err)?;
+        Ok(crate::train::RankGroups { topology, rank, outer, inner: Some(inner), gate: None })
+    }
+
     /// Runs this rank's share of FSDP training.
     pub fn train(
         &self,
@@ -299,15 +328,12 @@ impl MpiRank {
         #[cfg(feature = "mpi")]
         {
             let result = match precision {
-                Precision::Fp32 => {
-                    crate::train::fsdp_rank::<crate::Backend>(args, &setup, self.group.clone(), sink)
-                }
-                Precision::Bf16 => crate::train::fsdp_rank::<burn::backend::Flex<f32>>(
-                    args,
-                    &setup,
-                    self.group.clone(),
-                    sink,
-                ),
+                Precision::Fp32 => self
+                    .groups::<crate::Backend>(args)
+                    .and_then(|g| crate::train::fsdp_rank::<crate::Backend>(args, &setup, g, sink)),
+                Precision::Bf16 => self
+                    .groups::<burn::backend::Flex<f32>>(args)
+                    .and_then(|g| crate::train::fsdp_rank::<burn::backend::Flex<f32>>(args, &setup, g, sink)),
             };
             result.map_err(|e| {
                 let msg = format!("rank {}: {e:#}", self.rank());

@@ -2,6 +2,7 @@
 //! users run.
 
 pub mod bench;
+pub mod conformance;
 pub mod consolidate;
 pub mod data;
 pub mod generate;

@@ -2,6 +2,9 @@
 
 use clap::{Parser, Subcommand};
 
+#[global_allocator] // Counts live bytes for the memory figures of `bench`.
+static ALLOCATOR: xtask::bench::CountingAlloc = xtask::bench::CountingAlloc;
+
 #[derive(Parser)]
 #[command(name = "cargo xtask", about = "burn-fsdp developer and user commands")]
 struct Cli {
@@ -23,6 +26,8 @@ enum Command {
     Generate(xtask::generate::GenerateArgs),
     /// Turn a sharded FSDP checkpoint into one HF checkpoint (config.json + model.safetensors).
     Consolidate(xtask::consolidate::ConsolidateArgs),
+    /// Backend conformance suite: every op Qwen3 training and FSDP use vs float64 references.
+    Conformance(xtask::conformance::ConformanceArgs),
     /// (Run under mpirun.) Checks MPI collectives against in-process ones, and failure paths.
     #[cfg(feature = "mpi")]
     #[command(name = "mpi-selftest", hide = true)]
@@ -48,6 +53,10 @@ fn main() {
         Command::MpiBench(args) => xtask::mpi_tools::bench(&args),
         Command::Bench(args) => xtask::bench::run(&args).map(|_| ()),
         Command::Generate(args) => xtask::generate::run(&args).map(|text| println!("{text}")),
+        Command::Conformance(args) => xtask::conformance::run(&args).map(|status| match status.exit_code() {
+            0 => (),
+            code => std::process::exit(code),
+        }),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -12,8 +12,10 @@ use burn::tensor::backend::Backend as _;
 use burn::tensor::{DType, ElementConversion};
 use burn_fsdp::checkpoint::{CheckpointIndex, INDEX_FILE, read_index};
 use burn_fsdp::offload::OffloadPolicy;
+use burn_fsdp::tp::TensorParallel;
 use burn_fsdp::{
-    AdamWConfig, DeviceMesh, Fsdp, FsdpConfig, MixedPrecisionPolicy, ReduceOp, clip_grad_norm, launch,
+    AdamWConfig, DeviceMesh, Fsdp, FsdpConfig, LocalGroup, MixedPrecisionPolicy, ReduceOp, clip_grad_norm,
+    launch,
 };
 use qwen3_burn::checkpoint::{TensorOut, write_safetensors};
 use qwen3_burn::train::{Batches, cross_entropy, inputs_and_labels};
@@ -138,6 +140,17 @@ pub struct TrainArgs {
     /// Extra argument for mpirun, repeatable: e.g. `--mpirun-arg=--hostfile --mpirun-arg=hosts`.
     #[arg(long = "mpirun-arg", allow_hyphen_values = true)]
     pub mpirun_args: Vec<String>,
+    /// Data × tensor parallelism on a 2D mesh `DPxTP` (e.g. `2x2`): Megatron-style tensor
+    /// parallelism over TP ranks (attention heads and MLP features split; embedding and
+    /// lm_head replicated), FSDP over the DP ranks of each tensor-parallel slice. DP·TP ranks
+    /// in all; the batch is split over DP only.
+    #[arg(long, value_parser = parse_mesh, conflicts_with_all = ["hsdp", "no_fsdp"])]
+    pub mesh: Option<(usize, usize)>,
+    /// Hybrid sharding (FSDP2's HSDP) on a 2D mesh `RxS`: parameters sharded over S ranks and
+    /// replicated over R such groups; gradients reduce-scattered within a shard group, then
+    /// averaged across replicas. R·S ranks in all.
+    #[arg(long, value_parser = parse_mesh, conflicts_with = "no_fsdp")]
+    pub hsdp: Option<(usize, usize)>,
     /// Collective timeout in seconds: a rank that waits longer for its peers fails with an
     /// error (and so does the job).
     #[arg(long, default_value_t = 120.0)]
@@ -162,6 +175,72 @@ pub enum Precision {
     Bf16,
 }
 
+fn parse_mesh(s: &str) -> std::result::Result<(usize, usize), String> {
+    let parts: Vec<&str> = s.split(['x', 'X', '×']).map(str::trim).collect();
+    let [a, b] = parts[..] else {
+        return Err(format!("expected two sizes `AxB` (e.g. `2x2`), got `{s}`"));
+    };
+    let parse = |x: &str| match x.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("`{x}` in `{s}` is not a positive integer")),
+    };
+    Ok((parse(a)?, parse(b)?))
+}
+
+/// How the ranks of a run are arranged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Topology {
+    /// FSDP over all ranks (`--world-size`).
+    Flat(usize),
+    /// `--mesh DPxTP`.
+    DpTp {
+        /// Data-parallel degree.
+        dp: usize,
+        /// Tensor-parallel degree.
+        tp: usize,
+    },
+    /// `--hsdp RxS`.
+    Hsdp {
+        /// Replica groups.
+        replicate: usize,
+        /// Ranks per shard group.
+        shard: usize,
+    },
+}
+
+impl Topology {
+    /// Sizes of the mesh's `(outer, inner)` dimensions (`(1, W)` when flat).
+    pub fn dims(self) -> (usize, usize) {
+        match self {
+            Topology::Flat(w) => (1, w),
+            Topology::DpTp { dp, tp } => (dp, tp),
+            Topology::Hsdp { replicate, shard } => (replicate, shard),
+        }
+    }
+
+    /// All ranks.
+    pub fn world(self) -> usize {
+        let (a, b) = self.dims();
+        a * b
+    }
+
+    /// Ranks that see different data (the batch is split across them).
+    pub fn data_world(self) -> usize {
+        match self {
+            Topology::DpTp { dp, .. } => dp,
+            other => other.world(),
+        }
+    }
+
+    /// Which slice of the batch rank `rank` (global, row-major) trains on.
+    pub fn data_rank(self, rank: usize) -> usize {
+        match self {
+            Topology::DpTp { tp, .. } => rank / tp,
+            _ => rank,
+        }
+    }
+}
+
 fn parse_betas(s: &str) -> std::result::Result<(f64, f64), String> {
     let parts: Vec<&str> = s.split(',').map(str::trim).collect();
     let [a, b] = parts[..] else {
@@ -181,9 +260,19 @@ impl TrainArgs {
         AdamWConfig { lr: self.lr, betas: self.betas, eps: self.eps, weight_decay: self.weight_decay }
     }
 
-    /// World size: 1 for `--no-fsdp`, else `--world-size` (default 4).
+    /// The rank layout: `--mesh`, `--hsdp`, else FSDP over `--world-size` (default 4; 1 for
+    /// `--no-fsdp`).
+    pub fn topology(&self) -> Topology {
+        match (self.mesh, self.hsdp) {
+            (Some((dp, tp)), _) => Topology::DpTp { dp, tp },
+            (None, Some((replicate, shard))) => Topology::Hsdp { replicate, shard },
+            (None, None) => Topology::Flat(if self.no_fsdp { 1 } else { self.world_size.unwrap_or(4) }),
+        }
+    }
+
+    /// Number of ranks (processes or threads).
     pub fn world(&self) -> usize {
-        if self.no_fsdp { 1 } else { self.world_size.unwrap_or(4) }
+        self.topology().world()
     }
 
     /// The collective timeout (`--timeout`).
@@ -226,10 +315,20 @@ pub struct Setup {
 /// Loads (or builds) the model and data, validating every flag against them.
 pub fn setup(args: &TrainArgs) -> Result<Setup> {
     let device = device();
-    let world = args.world();
-    if world == 0 {
+    let topology = args.topology();
+    if topology.world() == 0 {
         bail!("--world-size must be at least 1");
     }
+    if let (Some(w), Topology::DpTp { .. } | Topology::Hsdp { .. }) = (args.world_size, topology)
+        && w != topology.world()
+    {
+        bail!("--world-size {w} disagrees with the mesh, which has {} ranks", topology.world());
+    }
+    if topology != Topology::Flat(topology.world()) && args.offload {
+        bail!("--offload is not supported with --mesh or --hsdp");
+    }
+    // The batch is split across the ranks that see different data.
+    let world = topology.data_world();
     if args.grad_accum == 0 {
         bail!("--grad-accum must be at least 1");
     }
@@ -348,7 +447,13 @@ pub fn setup(args: &TrainArgs) -> Result<Setup> {
         bail!("--steps {steps} exceeds the {} steps of the batches file", batches.steps);
     }
     if !batches.rows.is_multiple_of(world) {
-        bail!("the global batch has {} rows, which --world-size {world} does not divide", batches.rows);
+        bail!(
+            "the global batch has {} rows, which the {world} data-parallel ranks (--world-size, --mesh DP, --hsdp R·S) do not divide",
+            batches.rows
+        );
+    }
+    if let Topology::DpTp { tp, .. } = topology {
+        check_tp(&config, tp)?;
     }
     if !(batches.rows / world).is_multiple_of(args.grad_accum) {
         bail!(
@@ -358,6 +463,46 @@ pub fn setup(args: &TrainArgs) -> Result<Setup> {
         );
     }
     Ok(Setup { config, model, batches, steps, resume: resume.map(|(dir, _)| dir) })
+}
+
+/// Checks that Qwen3's heads and MLP width split across `tp` tensor-parallel ranks.
+pub fn check_tp(c: &Qwen3Config, tp: usize) -> Result<()> {
+    let (h, kv, inter) = (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size);
+    if !h.is_multiple_of(tp) || !kv.is_multiple_of(tp) {
+        bail!(
+            "--mesh …x{tp}: the model has {h} query heads and {kv} key/value heads; tensor parallelism \
+             needs both divisible by tp = {tp}"
+        );
+    }
+    if !inter.is_multiple_of(tp) {
+        bail!("--mesh …x{tp}: the MLP width {inter} (intermediate_size) is not divisible by tp = {tp}");
+    }
+    Ok(())
+}
+
+/// Qwen3's tensor-parallel plan, applied from outside the model (torchtitan style):
+/// q/k/v and gate/up column-parallel, o and down row-parallel with an all-reduce of their
+/// output, per-head q/k norms replicated with summed gradients; the embedding, final norm and
+/// lm_head replicated.
+pub fn qwen3_tp_plan(c: &Qwen3Config) -> burn_fsdp::tp::TpPlan {
+    use burn_fsdp::tp::TpStyle::{Colwise, PartialGrad, Rowwise};
+    let hd = c.head_dim;
+    let layer = |s: &str| format!("model.layers.*.{s}.weight");
+    burn_fsdp::tp::TpPlan {
+        params: vec![
+            (layer("self_attn.q_proj"), Colwise { granule: hd }),
+            (layer("self_attn.k_proj"), Colwise { granule: hd }),
+            (layer("self_attn.v_proj"), Colwise { granule: hd }),
+            (layer("self_attn.o_proj"), Rowwise { granule: hd }),
+            (layer("self_attn.q_norm"), PartialGrad),
+            (layer("self_attn.k_norm"), PartialGrad),
+            (layer("mlp.gate_proj"), Colwise { granule: 1 }),
+            (layer("mlp.up_proj"), Colwise { granule: 1 }),
+            (layer("mlp.down_proj"), Rowwise { granule: 1 }),
+        ],
+        copy_inputs: vec!["self_attn".into(), "mlp".into()],
+        reduce_outputs: vec!["self_attn".into(), "mlp".into()],
+    }
 }
 
 /// A `--resume` argument: the checkpoint directory itself, or a directory of `step-*/`
@@ -390,6 +535,7 @@ pub fn resolve_checkpoint(dir: &std::path::Path) -> Result<(PathBuf, CheckpointI
 /// Where per-step metrics go: the metrics file and the terminal (a progress bar on a
 /// terminal, one line per step otherwise). Shared by ranks.
 pub struct MetricsSink {
+    collectives: Mutex<Option<serde_json::Value>>,
     file: Mutex<Option<std::io::BufWriter<std::fs::File>>>,
     quiet: bool,
     bar: Option<indicatif::ProgressBar>,
@@ -409,7 +555,17 @@ impl MetricsSink {
             }
             None => None,
         };
-        Ok(Self { file: Mutex::new(file), quiet, bar: None })
+        Ok(Self { collectives: Mutex::new(None), file: Mutex::new(file), quiet, bar: None })
+    }
+
+    /// Records the collectives of the latest step (per mesh dimension), for `summary.json`.
+    pub fn set_collectives(&self, v: serde_json::Value) {
+        *self.collectives.lock().unwrap_or_else(|p| p.into_inner()) = Some(v);
+    }
+
+    /// The collectives of the latest step, if recorded.
+    pub fn collectives(&self) -> Option<serde_json::Value> {
+        self.collectives.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Shows a progress bar of `steps` steps when stdout is a terminal (and not quiet).
@@ -628,10 +784,17 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
         (setup.config.num_params(), setup.config.num_hidden_layers, args.world(), setup.steps);
     let mode = if args.no_fsdp {
         "single device (no FSDP)".to_owned()
-    } else if mpi.is_some() {
-        format!("FSDP over {world} MPI processes")
     } else {
-        format!("FSDP over {world} in-process ranks")
+        let how = if mpi.is_some() { "MPI processes" } else { "in-process ranks" };
+        match args.topology() {
+            Topology::Flat(_) => format!("FSDP over {world} {how}"),
+            Topology::DpTp { dp, tp } => {
+                format!("FSDP (dp = {dp}) × tensor parallel (tp = {tp}), {world} {how}")
+            }
+            Topology::Hsdp { replicate, shard } => {
+                format!("HSDP ({replicate} replicas × {shard}-way sharding), {world} {how}")
+            }
+        }
     };
     if !args.quiet && is_main {
         println!(
@@ -694,6 +857,7 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
         "metrics": metrics_path,
         "loss_plot": png,
         "comparison": comparison,
+        "collectives_per_step": sink.collectives(),
     });
     let summary_path = out_dir.join("summary.json");
     std::fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
@@ -787,16 +951,82 @@ pub fn train_single(args: &TrainArgs, setup: Setup, sink: &MetricsSink) -> Resul
 /// parameters are re-gathered in backward.
 pub type FsdpTrainBackend<B> = burn::backend::Autodiff<B, BalancedCheckpointing>;
 
-/// FSDP training over `--world-size` in-process ranks (threads), each owning
-/// `rows / world` rows of every step's batch.
+/// This rank's handles on its mesh: for a flat run the world group only; for `--mesh` the
+/// `(dp, tp)` groups, for `--hsdp` the `(replicate, shard)` groups.
+pub struct RankGroups<B: burn::tensor::backend::Backend> {
+    /// The layout.
+    pub topology: Topology,
+    /// This rank's global index (row-major over the mesh).
+    pub rank: usize,
+    /// Flat: the world group. 2D: the outer dimension's group (dp or replicate).
+    pub outer: std::sync::Arc<dyn burn_fsdp::ProcessGroup<B>>,
+    /// 2D: the inner dimension's group (tp or shard).
+    pub inner: Option<std::sync::Arc<dyn burn_fsdp::ProcessGroup<B>>>,
+    /// In-process 2D meshes: the world group, for a barrier before each backward. Burn's
+    /// autodiff cleans up after a backward by locking every graph of the process, so a rank
+    /// thread that finished its backward waits for the other threads' backwards; without the
+    /// barrier, ranks that sync only through sub-groups can drift a micro-batch apart and
+    /// deadlock on that lock (one process per rank, as with MPI, needs no gate).
+    pub gate: Option<std::sync::Arc<dyn burn_fsdp::ProcessGroup<B>>>,
+}
+
+/// FSDP training over in-process ranks (threads), `--world-size` of them or the ranks of
+/// `--mesh`/`--hsdp`; each rank trains on its slice of every step's batch.
 pub fn train_fsdp<B: burn::tensor::backend::Backend>(
     args: &TrainArgs,
     setup: Setup,
     sink: &MetricsSink,
 ) -> Result<Vec<StepMetrics>> {
-    let results =
-        launch(args.world(), args.collective_timeout()?, |group| fsdp_rank::<B>(args, &setup, group, sink))
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
+    use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+    let topology = args.topology();
+    let timeout = args.collective_timeout()?;
+    let results = match topology {
+        Topology::Flat(world) => launch(world, timeout, |group| {
+            let rank = group.rank();
+            fsdp_rank::<B>(
+                args,
+                &setup,
+                RankGroups { topology, rank, outer: group, inner: None, gate: None },
+                sink,
+            )
+        }),
+        _ => {
+            let (o, i) = topology.dims();
+            // One inner group per outer index (rows of the mesh), one outer group per inner
+            // index (columns).
+            let rows: Vec<_> = (0..o).map(|_| LocalGroup::new_group(i, timeout)).collect();
+            let cols: Vec<_> = (0..i).map(|_| LocalGroup::new_group(o, timeout)).collect();
+            launch(topology.world(), timeout, |group| {
+                let rank = group.rank();
+                let (a, b) = (rank / i, rank % i);
+                let (outer, inner) = (cols[b][a].clone(), rows[a][b].clone());
+                let groups = RankGroups::<B> {
+                    topology,
+                    rank,
+                    outer: outer.clone(),
+                    inner: Some(inner.clone()),
+                    gate: Some(group.clone()),
+                };
+                // A failing rank aborts its mesh groups too, so that no peer waits for it.
+                let fail = |why: &str| {
+                    outer.fail(why);
+                    inner.fail(why);
+                };
+                match catch_unwind(AssertUnwindSafe(|| fsdp_rank::<B>(args, &setup, groups, sink))) {
+                    Ok(Ok(v)) => Ok(v),
+                    Ok(Err(e)) => {
+                        fail(&format!("rank {rank}: {e:#}"));
+                        Err(e)
+                    }
+                    Err(p) => {
+                        fail(&format!("rank {rank} panicked"));
+                        resume_unwind(p)
+                    }
+                }
+            })
+        }
+    }
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
     results.into_iter().next().context("no rank ran")
 }
 
@@ -818,49 +1048,74 @@ pub fn fsdp_config(args: &TrainArgs) -> FsdpConfig {
     }
 }
 
-/// One FSDP rank's training loop (any process group: in-process threads or MPI processes).
-/// Rank `r` trains on rows `r·rows/world ..` of every step; rank 0 emits the metrics.
+/// One FSDP rank's training loop (any process groups: in-process threads or MPI processes).
+/// Data rank `d` trains on rows `d·rows/data_world ..` of every step; rank 0 emits the
+/// metrics and records the collectives of the last step.
 pub fn fsdp_rank<B: burn::tensor::backend::Backend>(
     args: &TrainArgs,
     setup: &Setup,
-    group: std::sync::Arc<dyn burn_fsdp::ProcessGroup<B>>,
+    groups: RankGroups<B>,
     sink: &MetricsSink,
 ) -> Result<Vec<StepMetrics>> {
     type Ad<B> = FsdpTrainBackend<B>;
-    let world = group.size();
+    let RankGroups { topology, rank, outer, inner, gate } = groups;
     let Setup { config, model, batches, steps, resume } = setup;
     let steps = *steps;
     let model_config = serde_json::to_value(config)?;
-    let rows_per_rank = batches.rows / world;
+    let (data_rank, data_world) = (topology.data_rank(rank), topology.data_world());
+    let rows_per_rank = batches.rows / data_world;
     let micro = args.grad_accum;
     let rows_per_micro = rows_per_rank / micro;
     let device = B::Device::default();
-    let rank = group.rank();
     let replica = Qwen3::<Ad<B>>::from_weights(config, model.as_slice(), &device)?;
-    let mesh = DeviceMesh::new_1d(group, device.clone());
+    let (replica, tp, mesh) = match (topology, &inner) {
+        (Topology::DpTp { .. }, Some(tp_group)) => {
+            let (m, tp) = TensorParallel::apply(replica, tp_group.clone(), qwen3_tp_plan(config))?;
+            (m, Some(tp), DeviceMesh::new_1d(outer.clone(), device.clone()))
+        }
+        (Topology::Hsdp { .. }, Some(shard)) => {
+            let mesh =
+                DeviceMesh::new_2d(("replicate", outer.clone()), ("shard", shard.clone()), device.clone());
+            (replica, None, mesh)
+        }
+        _ => (replica, None, DeviceMesh::new_1d(outer.clone(), device.clone())),
+    };
     let mut fsdp = Fsdp::wrap(replica, &mesh, fsdp_config(args))?;
     let mut optim = args.adamw().init();
     let first_step = match resume {
-        Some(dir) => fsdp.load_sharded(dir, &mut optim, &model_config)?.step as usize,
+        Some(dir) => fsdp.load_sharded_with(dir, &mut optim, &model_config, tp.as_ref())?.step as usize,
         None => 0,
     };
     let mut out = Vec::with_capacity(steps);
     for step in first_step..steps {
         let start = Instant::now();
+        let before = (outer.stats(), inner.as_ref().map(|g| g.stats()));
         let mut loss_sum = 0.0;
         let mut grads = None;
         for m in 0..micro {
             fsdp.set_requires_gradient_sync(m + 1 == micro);
-            let first_row = rank * rows_per_rank + m * rows_per_micro;
+            let first_row = data_rank * rows_per_rank + m * rows_per_micro;
             let tokens = batches.rows::<Ad<B>>(step, first_row..first_row + rows_per_micro, &device);
             let (inputs, labels) = inputs_and_labels(tokens);
-            let logits = fsdp.forward(|model, runner| model.forward_with(inputs, runner));
+            let logits = fsdp.forward(|model, runner| match &tp {
+                Some(tp) => model.forward_hooked(inputs, runner, &tp.hooks()),
+                None => model.forward_with(inputs, runner),
+            });
             let loss = cross_entropy(logits, labels).div_scalar(micro as f64);
             loss_sum += loss.clone().into_scalar().elem::<f64>();
+            if let Some(gate) = &gate {
+                gate.barrier(&burn_fsdp::Tag::new("backward-gate"))?;
+            }
             grads = Some(fsdp.gradients(loss.backward()));
         }
         let mut grads = grads.context("no micro-batch ran")?;
-        let grad_norm = fsdp.clip_grad_norm(&mut grads, args.clip.unwrap_or(0.0))?;
+        let grad_norm = match &tp {
+            Some(tp) => {
+                tp.reduce_partial_grads::<Ad<B>, _>(fsdp.module(), &mut grads)?;
+                fsdp.clip_grad_norm_tp(&mut grads, args.clip.unwrap_or(0.0), tp)?
+            }
+            None => fsdp.clip_grad_norm(&mut grads, args.clip.unwrap_or(0.0))?,
+        };
         fsdp.step(&mut optim, grads);
         let loss = fsdp.all_reduce_scalar(loss_sum, ReduceOp::Avg, "loss")?;
         let metrics = StepMetrics {
@@ -872,13 +1127,17 @@ pub fn fsdp_rank<B: burn::tensor::backend::Backend>(
         };
         if rank == 0 {
             sink.emit(&metrics)?;
+            sink.set_collectives(collectives_json(topology, &before, &outer, inner.as_ref()));
         }
         out.push(metrics);
         if let Some(save_dir) = &args.save_dir {
             let done = step + 1;
             if args.save_every.map_or(done == steps, |k| done % k == 0 || done == steps) {
                 let dir = save_dir.join(format!("step-{done:06}"));
-                fsdp.save_sharded(&dir, &optim, done as u64, &model_config)?;
+                match &tp {
+                    Some(tp) => fsdp.save_sharded_tp(&dir, &optim, done as u64, &model_config, tp)?,
+                    None => fsdp.save_sharded(&dir, &optim, done as u64, &model_config)?,
+                }
                 if rank == 0 && !args.quiet {
                     println!("saved sharded checkpoint {}", dir.display());
                 }
@@ -886,7 +1145,10 @@ pub fn fsdp_rank<B: burn::tensor::backend::Backend>(
         }
     }
     if let Some(dir) = &args.export {
-        let params = fsdp.full_parameters()?;
+        let params = match &tp {
+            Some(tp) => fsdp.full_parameters_tp(tp)?,
+            None => fsdp.full_parameters()?,
+        };
         if rank == 0 {
             export_hf(config, params, dir)?;
             if !args.quiet {
@@ -895,6 +1157,34 @@ pub fn fsdp_rank<B: burn::tensor::backend::Backend>(
         }
     }
     Ok(out)
+}
+
+/// Collectives issued by one step, per mesh dimension, as JSON for `summary.json`.
+fn collectives_json<B: burn::tensor::backend::Backend>(
+    topology: Topology,
+    before: &(burn_fsdp::CommStats, Option<burn_fsdp::CommStats>),
+    outer: &std::sync::Arc<dyn burn_fsdp::ProcessGroup<B>>,
+    inner: Option<&std::sync::Arc<dyn burn_fsdp::ProcessGroup<B>>>,
+) -> serde_json::Value {
+    let counts = |now: burn_fsdp::CommStats, then: burn_fsdp::CommStats| {
+        let d = now.since(&then);
+        let mut m = serde_json::Map::new();
+        for k in burn_fsdp::CollectiveKind::ALL {
+            m.insert(k.name().to_owned(), d.calls(k).into());
+        }
+        serde_json::Value::Object(m)
+    };
+    let names = match topology {
+        Topology::Flat(_) => ("dp", ""),
+        Topology::DpTp { .. } => ("dp", "tp"),
+        Topology::Hsdp { .. } => ("replicate", "shard"),
+    };
+    let mut m = serde_json::Map::new();
+    m.insert(names.0.to_owned(), counts(outer.stats(), before.0));
+    if let (Some(g), Some(b)) = (inner, before.1) {
+        m.insert(names.1.to_owned(), counts(g.stats(), b));
+    }
+    serde_json::Value::Object(m)
 }
 
 /// Writes full parameters as an HF checkpoint (`config.json` + `model.safetensors`).

@@ -122,7 +122,7 @@ fn a_stalled_rank_makes_the_others_time_out() {
 
 /// The 4-process run reproduces PyTorch FSDP2 (`fsdp4.json`) and equals the in-process run.
 fn check_against_in_process(name: &str, extra: &[&str]) {
-    let out = scratch(&format!("mpi-{name}"));
+    let out = scratch(&format!("mpi-{name}-{}", extra.join("")));
     let mut args = tiny_a_args(&out, &["--launcher", "mpi", "--world-size", "4"]);
     args.extend(extra.iter().map(|s| s.to_string()));
     let o = Command::new(EXE).args(&args).output().expect("xtask");
@@ -133,7 +133,7 @@ fn check_against_in_process(name: &str, extra: &[&str]) {
     println!("{name}: 4 MPI processes vs PyTorch FSDP2: loss {dl:.2e}, grad norm {dn:.2e}");
     assert!(dl < 1e-4 && dn < 1e-4, "loss {dl:e}, grad norm {dn:e}");
 
-    let local_out = scratch(&format!("local-{name}"));
+    let local_out = scratch(&format!("local-{name}-{}", extra.join("")));
     let mut local = tiny_a_args(&local_out, &["--world-size", "4"]);
     local.extend(extra.iter().map(|s| s.to_string()));
     let o = Command::new(EXE).args(&local).output().expect("xtask");
@@ -173,7 +173,7 @@ fn a_world_size_other_than_the_jobs_is_refused() {
     let o = mpirun(2, &args);
     let t = text(&o);
     assert!(!o.status.success(), "{t}");
-    assert!(t.contains("--world-size 4 but the MPI job has 2 processes"), "{t}");
+    assert!(t.contains("ask for 4 ranks but the MPI job has 2 processes"), "{t}");
 }
 
 #[test]
@@ -297,4 +297,10 @@ fn killing_one_rank_mid_run_ends_the_job_with_an_error_and_no_orphans() {
         .filter(|p| Path::new(&format!("/proc/{p}")).exists() && mpi_rank_of(*p).is_some())
         .collect();
     assert!(alive.is_empty(), "orphaned rank processes: {alive:?}");
+}
+
+#[test]
+fn two_dimensional_meshes_over_mpi_equal_the_in_process_runs() {
+    check_against_in_process("fsdp4", &["--mesh", "2x2"]);
+    check_against_in_process("fsdp4_clip_accum", &["--hsdp", "2x2", "--clip", "1.0", "--grad-accum", "2"]);
 }

@@ -163,28 +163,44 @@ fn env_injections() -> &'static Vec<(String, c_int)> {
     })
 }
 
+/// Injections for every thread (`mcmockInjectErrorGlobal`), e.g. for calls made on a server's
+/// own thread.
+static GLOBAL_INJECTIONS: Mutex<Vec<Injection>> = Mutex::new(Vec::new());
+/// Every launch, from any thread (`mcmockGlobal*`).
+static GLOBAL_LAUNCHES: Mutex<Vec<MockLaunch>> = Mutex::new(Vec::new());
+/// Every compiled source with its options, from any thread.
+static GLOBAL_COMPILES: Mutex<Vec<(String, Vec<String>)>> = Mutex::new(Vec::new());
+/// Successful device allocations, from any thread.
+static GLOBAL_MALLOCS: AtomicU64 = AtomicU64::new(0);
+
+fn take_injection(list: &mut Vec<Injection>, symbol: &str) -> Option<c_int> {
+    let index = list.iter().position(|i| i.symbol == symbol)?;
+    let injection = &mut list[index];
+    if injection.skip > 0 {
+        injection.skip -= 1;
+        return None;
+    }
+    let code = injection.code;
+    if let Some(remaining) = injection.remaining.as_mut() {
+        *remaining -= 1;
+        if *remaining == 0 {
+            list.remove(index);
+        }
+    }
+    Some(code)
+}
+
 /// The injected status for a call of `symbol`, if any.
 fn injected(symbol: &str) -> Option<c_int> {
     if let Some((_, code)) = env_injections().iter().find(|(s, _)| s == symbol) {
         return Some(*code);
     }
-    INJECTIONS.with(|list| {
-        let mut list = list.borrow_mut();
-        let index = list.iter().position(|i| i.symbol == symbol)?;
-        let injection = &mut list[index];
-        if injection.skip > 0 {
-            injection.skip -= 1;
-            return None;
-        }
-        let code = injection.code;
-        if let Some(remaining) = injection.remaining.as_mut() {
-            *remaining -= 1;
-            if *remaining == 0 {
-                list.remove(index);
-            }
-        }
-        Some(code)
-    })
+    if let Some(code) =
+        take_injection(&mut GLOBAL_INJECTIONS.lock().unwrap_or_else(|e| e.into_inner()), symbol)
+    {
+        return Some(code);
+    }
+    INJECTIONS.with(|list| take_injection(&mut list.borrow_mut(), symbol))
 }
 
 macro_rules! inject {
@@ -437,6 +453,7 @@ fn allocate(s: &mut State, size: usize) -> usize {
     if size == 0 {
         return 0;
     }
+    GLOBAL_MALLOCS.fetch_add(1, Ordering::Relaxed);
     let mem = vec![0xCDu8; size].into_boxed_slice();
     let addr = mem.as_ptr() as usize;
     s.device_mem.insert(addr, (mem, std::thread::current().id()));
@@ -835,6 +852,7 @@ pub unsafe extern "C" fn mcModuleLaunchKernel(
             function: function as usize,
         };
         LAUNCHES.with(|l| l.borrow_mut().push(launch));
+        GLOBAL_LAUNCHES.lock().unwrap_or_else(|e| e.into_inner()).push(launch);
         TOTAL_LAUNCHES.fetch_add(1, Ordering::Relaxed);
         SUCCESS
     })
@@ -849,6 +867,14 @@ fn kernel_names(source: &str) -> Vec<String> {
         .split("__global__")
         .skip(1)
         .filter_map(|rest| {
+            // Skip a `__launch_bounds__(…)` qualifier between the return type and the name.
+            let rest = match rest.find("__launch_bounds__") {
+                Some(at) if rest[..at].trim() == "void" => {
+                    let after = &rest[at..];
+                    &after[after.find(')')? + 1..]
+                }
+                _ => rest,
+            };
             let head = &rest[..rest.find('(')?];
             let name = head.split(|c: char| !(c.is_alphanumeric() || c == '_')).rfind(|t| !t.is_empty())?;
             Some(name.to_string())
@@ -897,6 +923,7 @@ pub unsafe extern "C" fn mcrtcCompileProgram(
     let Some(s) = guard.as_mut() else { return RTC_INVALID_PROGRAM };
     let Some(p) = s.programs.get_mut(&(program as usize)) else { return RTC_INVALID_PROGRAM };
     COMPILES.with(|c| c.borrow_mut().push(p.source.clone()));
+    GLOBAL_COMPILES.lock().unwrap_or_else(|e| e.into_inner()).push((p.source.clone(), opts.clone()));
     if let Some(line) = p.source.lines().find(|l| l.trim_start().starts_with("#error")) {
         p.log = format!("mock-mcrtc: error: {}\n", line.trim());
         return RTC_COMPILATION;
@@ -1060,4 +1087,347 @@ pub extern "C" fn mcmockLiveAllocations() -> u64 {
     let me = std::thread::current().id();
     let guard = state();
     guard.as_ref().map_or(0, |s| s.device_mem.values().filter(|(_, owner)| *owner == me).count() as u64)
+}
+
+// ---- process-wide inspection (calls made on any thread) --------------------------------------------
+
+/// As `mcmockInjectError`, but for calls made on *any* thread.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcmockInjectErrorGlobal(
+    symbol: *const c_char,
+    code: c_int,
+    skip: c_uint,
+    count: c_uint,
+) {
+    if symbol.is_null() {
+        return;
+    }
+    // SAFETY: the caller passes a NUL-terminated name.
+    let symbol = unsafe { CStr::from_ptr(symbol) }.to_string_lossy().into_owned();
+    let remaining = (count > 0).then_some(count);
+    GLOBAL_INJECTIONS.lock().unwrap_or_else(|e| e.into_inner()).push(Injection {
+        symbol,
+        code,
+        skip,
+        remaining,
+    });
+}
+
+/// Removes the injections made with `mcmockInjectErrorGlobal`.
+#[unsafe(no_mangle)]
+pub extern "C" fn mcmockClearGlobalInjections() {
+    GLOBAL_INJECTIONS.lock().unwrap_or_else(|e| e.into_inner()).clear();
+}
+
+/// Kernel launches accepted on any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn mcmockGlobalLaunchCount() -> u64 {
+    GLOBAL_LAUNCHES.lock().unwrap_or_else(|e| e.into_inner()).len() as u64
+}
+
+/// Launch number `index` (0-based, any thread); returns 0 and leaves `out` alone if none.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcmockGlobalLaunch(index: u64, out: *mut MockLaunch) -> c_int {
+    let launches = GLOBAL_LAUNCHES.lock().unwrap_or_else(|e| e.into_inner());
+    match launches.get(index as usize) {
+        Some(launch) if !out.is_null() => {
+            // SAFETY: checked non-null; the caller passes a writable `MockLaunch`.
+            unsafe { *out = *launch };
+            1
+        }
+        _ => 0,
+    }
+}
+
+/// Programs compiled on any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn mcmockGlobalCompileCount() -> u64 {
+    GLOBAL_COMPILES.lock().unwrap_or_else(|e| e.into_inner()).len() as u64
+}
+
+/// Copies the source (`what` = 0) or the space-joined options (`what` = 1) of compile number
+/// `index` into `buf` (at most `len` bytes, NUL-terminated if room); returns the full length + 1,
+/// or 0 if there is no such compile.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcmockGlobalCompileText(
+    index: u64,
+    what: c_int,
+    buf: *mut c_char,
+    len: usize,
+) -> usize {
+    let compiles = GLOBAL_COMPILES.lock().unwrap_or_else(|e| e.into_inner());
+    let Some((source, options)) = compiles.get(index as usize) else { return 0 };
+    let text = if what == 0 { source.clone() } else { options.join(" ") };
+    if !buf.is_null() && len > 0 {
+        let n = text.len().min(len - 1);
+        // SAFETY: the caller passes `len` writable bytes; `n + 1 <= len`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(text.as_ptr().cast(), buf, n);
+            *buf.add(n) = 0;
+        }
+    }
+    text.len() + 1
+}
+
+/// Operations queued on all streams (of all threads) and not yet run.
+#[unsafe(no_mangle)]
+pub extern "C" fn mcmockTotalPendingOps() -> u64 {
+    let guard = state();
+    guard.as_ref().map_or(0, |s| s.streams.values().map(|st| st.queue.len() as u64).sum())
+}
+
+/// Device allocations still live, made on any thread.
+#[unsafe(no_mangle)]
+pub extern "C" fn mcmockTotalLiveAllocations() -> u64 {
+    let guard = state();
+    guard.as_ref().map_or(0, |s| s.device_mem.len() as u64)
+}
+
+/// Successful non-empty device allocations so far (any thread).
+#[unsafe(no_mangle)]
+pub extern "C" fn mcmockTotalMallocs() -> u64 {
+    GLOBAL_MALLOCS.load(Ordering::Relaxed)
+}
+
+// ---- MCCL (libmccl.so) ------------------------------------------------------------------------------
+//
+// The tests install this same library a second time as `lib/libmccl.so`. Collectives are
+// implemented for a world of one rank: each is a device-to-device copy queued on the stream.
+
+const MCCL_SUCCESS: c_int = 0;
+const MCCL_INVALID_ARGUMENT: c_int = 4;
+const MCCL_INVALID_USAGE: c_int = 5;
+const MCCL_ID_MAGIC: &[u8; 8] = b"MCMOCKID";
+
+/// `mcclUniqueId` (128 opaque bytes, passed by value to `mcclCommInitRank`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct McclUniqueId {
+    pub internal: [c_char; 128],
+}
+
+static COMMS: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+
+fn mccl_type_size(datatype: c_int) -> Option<usize> {
+    match datatype {
+        0 | 1 => Some(1),
+        2 | 3 | 7 => Some(4),
+        4 | 5 | 8 => Some(8),
+        6 | 9 => Some(2),
+        _ => None,
+    }
+}
+
+fn mccl_comm_ok(comm: *mut c_void) -> bool {
+    COMMS.lock().unwrap_or_else(|e| e.into_inner()).contains(&(comm as usize))
+}
+
+/// A world-of-one collective: copies `count` elements from `send` to `recv` on `stream`.
+fn mccl_copy(
+    send: *const c_void,
+    recv: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    comm: *mut c_void,
+    stream: *mut c_void,
+) -> c_int {
+    let Some(size) = mccl_type_size(datatype) else { return MCCL_INVALID_ARGUMENT };
+    if !mccl_comm_ok(comm) {
+        return MCCL_INVALID_ARGUMENT;
+    }
+    if std::ptr::eq(send, recv.cast_const()) || count == 0 {
+        return MCCL_SUCCESS;
+    }
+    let mut guard = state();
+    let Some(s) = guard.as_mut() else { return MCCL_INVALID_ARGUMENT };
+    match queue_copy(s, recv as usize, send as usize, count * size, 3, stream as usize) {
+        SUCCESS => MCCL_SUCCESS,
+        _ => MCCL_INVALID_ARGUMENT,
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcclGetVersion(version: *mut c_int) -> c_int {
+    inject!("mcclGetVersion");
+    if version.is_null() {
+        return MCCL_INVALID_ARGUMENT;
+    }
+    // SAFETY: checked non-null.
+    unsafe { *version = 21_803 };
+    MCCL_SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcclGetUniqueId(id: *mut McclUniqueId) -> c_int {
+    inject!("mcclGetUniqueId");
+    if id.is_null() {
+        return MCCL_INVALID_ARGUMENT;
+    }
+    let mut internal = [0 as c_char; 128];
+    for (i, b) in MCCL_ID_MAGIC.iter().enumerate() {
+        internal[i] = *b as c_char;
+    }
+    let nonce = new_handle().to_le_bytes();
+    for (i, b) in nonce.iter().enumerate() {
+        internal[8 + i] = *b as c_char;
+    }
+    // SAFETY: checked non-null.
+    unsafe { *id = McclUniqueId { internal } };
+    MCCL_SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcclCommInitRank(
+    comm: *mut *mut c_void,
+    nranks: c_int,
+    id: McclUniqueId,
+    rank: c_int,
+) -> c_int {
+    inject!("mcclCommInitRank");
+    if comm.is_null() || nranks < 1 || rank < 0 || rank >= nranks {
+        return MCCL_INVALID_ARGUMENT;
+    }
+    if id.internal[..8].iter().zip(MCCL_ID_MAGIC).any(|(a, b)| *a as u8 != *b) {
+        return MCCL_INVALID_ARGUMENT;
+    }
+    if nranks != 1 {
+        // A single process cannot host the other ranks of this mock.
+        return MCCL_INVALID_USAGE;
+    }
+    let handle = new_handle();
+    COMMS.lock().unwrap_or_else(|e| e.into_inner()).push(handle);
+    // SAFETY: checked non-null.
+    unsafe { *comm = handle as *mut c_void };
+    MCCL_SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcclCommDestroy(comm: *mut c_void) -> c_int {
+    inject!("mcclCommDestroy");
+    let mut comms = COMMS.lock().unwrap_or_else(|e| e.into_inner());
+    match comms.iter().position(|c| *c == comm as usize) {
+        Some(i) => {
+            comms.remove(i);
+            MCCL_SUCCESS
+        }
+        None => MCCL_INVALID_ARGUMENT,
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcclCommCount(comm: *mut c_void, count: *mut c_int) -> c_int {
+    inject!("mcclCommCount");
+    if count.is_null() || !mccl_comm_ok(comm) {
+        return MCCL_INVALID_ARGUMENT;
+    }
+    // SAFETY: checked non-null.
+    unsafe { *count = 1 };
+    MCCL_SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcclCommUserRank(comm: *mut c_void, rank: *mut c_int) -> c_int {
+    inject!("mcclCommUserRank");
+    if rank.is_null() || !mccl_comm_ok(comm) {
+        return MCCL_INVALID_ARGUMENT;
+    }
+    // SAFETY: checked non-null.
+    unsafe { *rank = 0 };
+    MCCL_SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcclAllReduce(
+    send: *const c_void,
+    recv: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    op: c_int,
+    comm: *mut c_void,
+    stream: *mut c_void,
+) -> c_int {
+    inject!("mcclAllReduce");
+    if !(0..=4).contains(&op) {
+        return MCCL_INVALID_ARGUMENT;
+    }
+    mccl_copy(send, recv, count, datatype, comm, stream)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcclAllGather(
+    send: *const c_void,
+    recv: *mut c_void,
+    send_count: usize,
+    datatype: c_int,
+    comm: *mut c_void,
+    stream: *mut c_void,
+) -> c_int {
+    inject!("mcclAllGather");
+    mccl_copy(send, recv, send_count, datatype, comm, stream)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcclReduceScatter(
+    send: *const c_void,
+    recv: *mut c_void,
+    recv_count: usize,
+    datatype: c_int,
+    op: c_int,
+    comm: *mut c_void,
+    stream: *mut c_void,
+) -> c_int {
+    inject!("mcclReduceScatter");
+    if !(0..=4).contains(&op) {
+        return MCCL_INVALID_ARGUMENT;
+    }
+    mccl_copy(send, recv, recv_count, datatype, comm, stream)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcclBroadcast(
+    send: *const c_void,
+    recv: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    root: c_int,
+    comm: *mut c_void,
+    stream: *mut c_void,
+) -> c_int {
+    inject!("mcclBroadcast");
+    if root != 0 {
+        return MCCL_INVALID_ARGUMENT;
+    }
+    mccl_copy(send, recv, count, datatype, comm, stream)
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn mcclGroupStart() -> c_int {
+    if let Some(code) = injected("mcclGroupStart") {
+        return code;
+    }
+    MCCL_SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn mcclGroupEnd() -> c_int {
+    if let Some(code) = injected("mcclGroupEnd") {
+        return code;
+    }
+    MCCL_SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn mcclGetErrorString(code: c_int) -> *const c_char {
+    let text: &'static CStr = match code {
+        0 => c"no error",
+        1 => c"unhandled MACA runtime error",
+        2 => c"unhandled system error",
+        3 => c"internal error",
+        4 => c"invalid argument",
+        5 => c"invalid usage",
+        6 => c"remote process exited or there was a network error",
+        7 => c"MCCL operation in progress",
+        _ => c"unknown result code",
+    };
+    text.as_ptr()
 }

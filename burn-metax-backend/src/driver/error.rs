@@ -192,6 +192,15 @@ pub enum DriverError {
         /// What the dynamic loader said.
         reason: String,
     },
+    /// A non-MACA driver library (the CUDA driver of the `cuda-proxy` feature) could not be
+    /// opened.
+    #[error("{library} not available: {reason}")]
+    LibraryUnavailable {
+        /// The library that was looked for.
+        library: String,
+        /// Why it is unavailable.
+        reason: String,
+    },
     /// A required symbol is missing from a library that did load.
     #[error(
         "symbol `{symbol}` not found in {library}: the MACA SDK there is incomplete or of an \

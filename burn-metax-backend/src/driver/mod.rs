@@ -9,9 +9,13 @@
 //! Calls that make the runtime read or write host memory asynchronously, or that free memory
 //! queued work may still use, are `unsafe`: their contracts are stated on each method.
 
+#[cfg(feature = "cuda-proxy")]
+mod cuda;
 mod error;
 mod maca;
 
+#[cfg(feature = "cuda-proxy")]
+pub use cuda::CudaDriver;
 pub use error::{DriverError, MacaError, Result, RtcError};
 pub use maca::{DEFAULT_MACA_PATH, MacaDriver, maca_root};
 

@@ -69,6 +69,26 @@ pub fn mock_root_missing_launch() -> &'static Path {
     ROOT.get_or_init(|| build(Variant::MissingLaunch))
 }
 
+/// A MACA root whose `lib/libmcruntime.so` and `lib/libmccl.so` are both symbolic links to the
+/// full mock: the dynamic loader sees one file, so the runtime, MCCL and [`Control`] share one
+/// instance of the mock (one device-memory map).
+pub fn mock_root_with_mccl() -> &'static Path {
+    static ROOT: OnceLock<PathBuf> = OnceLock::new();
+    ROOT.get_or_init(|| {
+        let target = mock_root().join("lib/libmcruntime.so");
+        let root = cache_dir().join("root-mccl");
+        let lib_dir = root.join("lib");
+        std::fs::create_dir_all(&lib_dir).expect("create mock root");
+        for name in ["libmcruntime.so", "libmccl.so"] {
+            let staging = lib_dir.join(format!(".{name}.{}", std::process::id()));
+            let _ = std::fs::remove_file(&staging);
+            std::os::unix::fs::symlink(&target, &staging).expect("link the mock library");
+            std::fs::rename(&staging, lib_dir.join(name)).expect("install the link");
+        }
+        root
+    })
+}
+
 /// A launch recorded by the mock (mirror of its `MockLaunch`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -145,5 +165,98 @@ impl Control {
         let f: unsafe extern "C" fn(*mut c_void) -> u64 = self.get("mcmockLaunchesRun");
         // SAFETY: the mock only uses the handle as a key.
         unsafe { f(stream as *mut c_void) }
+    }
+}
+
+/// Installs the full mock as the process-wide MACA driver of the runtime (idempotent).
+pub fn install_mock_runtime() {
+    static INSTALLED: OnceLock<()> = OnceLock::new();
+    INSTALLED.get_or_init(|| {
+        let driver =
+            burn_metax_backend::driver::MacaDriver::load_from(mock_root()).expect("load the mock runtime");
+        assert!(
+            burn_metax_backend::runtime::install_maca_driver(driver),
+            "a MACA driver was loaded before the mock could be installed"
+        );
+    });
+}
+
+impl Control {
+    /// Makes `symbol` fail with `code` on *every* thread (e.g. the server's), after `skip` calls,
+    /// for `count` calls (0 = forever).
+    pub fn inject_global(&self, symbol: &str, code: i32, skip: u32, count: u32) {
+        let f: unsafe extern "C" fn(*const c_char, c_int, c_uint, c_uint) =
+            self.get("mcmockInjectErrorGlobal");
+        let symbol = CString::new(symbol).expect("symbol");
+        // SAFETY: NUL-terminated symbol name, plain values.
+        unsafe { f(symbol.as_ptr(), code, skip, count) }
+    }
+
+    pub fn clear_global(&self) {
+        let f: extern "C" fn() = self.get("mcmockClearGlobalInjections");
+        f()
+    }
+
+    /// Launches accepted on any thread.
+    pub fn global_launch_count(&self) -> u64 {
+        let f: extern "C" fn() -> u64 = self.get("mcmockGlobalLaunchCount");
+        f()
+    }
+
+    /// Launch number `index` (any thread).
+    pub fn global_launch(&self, index: u64) -> Option<MockLaunch> {
+        let f: unsafe extern "C" fn(u64, *mut MockLaunch) -> c_int = self.get("mcmockGlobalLaunch");
+        let mut launch = MockLaunch::default();
+        // SAFETY: `launch` is a writable `MockLaunch`.
+        (unsafe { f(index, &mut launch) } == 1).then_some(launch)
+    }
+
+    /// Programs compiled on any thread.
+    pub fn global_compile_count(&self) -> u64 {
+        let f: extern "C" fn() -> u64 = self.get("mcmockGlobalCompileCount");
+        f()
+    }
+
+    fn compile_text(&self, index: u64, what: c_int) -> Option<String> {
+        let f: unsafe extern "C" fn(u64, c_int, *mut c_char, usize) -> usize =
+            self.get("mcmockGlobalCompileText");
+        // SAFETY: a null buffer only asks for the length.
+        let len = unsafe { f(index, what, std::ptr::null_mut(), 0) };
+        if len == 0 {
+            return None;
+        }
+        let mut buf = vec![0u8; len];
+        // SAFETY: `buf` has `len` writable bytes.
+        unsafe { f(index, what, buf.as_mut_ptr().cast(), len) };
+        buf.pop();
+        Some(String::from_utf8_lossy(&buf).into_owned())
+    }
+
+    /// Source of compile number `index` (any thread).
+    pub fn global_compile_source(&self, index: u64) -> Option<String> {
+        self.compile_text(index, 0)
+    }
+
+    /// Options of compile number `index` (any thread), space-joined.
+    pub fn global_compile_options(&self, index: u64) -> Option<String> {
+        self.compile_text(index, 1)
+    }
+
+    /// Operations queued on every stream of every thread and not yet run.
+    pub fn total_pending_ops(&self) -> u64 {
+        let f: extern "C" fn() -> u64 = self.get("mcmockTotalPendingOps");
+        f()
+    }
+
+    /// Live device allocations (any thread).
+    pub fn total_live_allocations(&self) -> u64 {
+        let f: extern "C" fn() -> u64 = self.get("mcmockTotalLiveAllocations");
+        f()
+    }
+
+    /// Successful non-empty device allocations so far (any thread).
+    pub fn total_mallocs(&self) -> u64 {
+        let f: extern "C" fn() -> u64 = self.get("mcmockTotalMallocs");
+        f()
     }
 }

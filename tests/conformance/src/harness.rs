@@ -1,0 +1,268 @@
+//! Cases, outcomes, the report, and the runner that isolates each case.
+
+use std::fmt;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use burn::tensor::DType;
+
+/// How one case ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// The backend's result is within the tolerance of the float64 reference.
+    Passed,
+    /// The result is wrong (or has the wrong shape/dtype), or the backend panicked.
+    Failed(String),
+    /// The backend lacks a capability the case needs (a dtype, for instance); the reason says which.
+    Skipped(String),
+}
+
+/// One checked operation (or group of closely related operations).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Case {
+    /// `<backend>/<dtype>/<op>`, for instance `inner/f32/matmul.batched4d` or `grad/f32/rms_norm`.
+    pub name: String,
+    /// The largest allowed error (see the crate docs for the error measure of each family).
+    pub tolerance: f64,
+    /// The measured error, when the case ran to the comparison.
+    pub error: Option<f64>,
+    /// How it ended.
+    pub outcome: Outcome,
+}
+
+/// The cases of one run.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Report {
+    /// Every case that matched the filter, in the order run.
+    pub cases: Vec<Case>,
+}
+
+impl Report {
+    /// Number of passed cases.
+    pub fn passed(&self) -> usize {
+        self.cases.iter().filter(|c| c.outcome == Outcome::Passed).count()
+    }
+
+    /// Number of failed cases.
+    pub fn failed(&self) -> usize {
+        self.cases.iter().filter(|c| matches!(c.outcome, Outcome::Failed(_))).count()
+    }
+
+    /// Number of skipped cases.
+    pub fn skipped(&self) -> usize {
+        self.cases.iter().filter(|c| matches!(c.outcome, Outcome::Skipped(_))).count()
+    }
+
+    /// The failed cases.
+    pub fn failures(&self) -> impl Iterator<Item = &Case> {
+        self.cases.iter().filter(|c| matches!(c.outcome, Outcome::Failed(_)))
+    }
+
+    /// The final `passed: N failed: M skipped: K` line.
+    pub fn summary(&self) -> String {
+        format!("passed: {} failed: {} skipped: {}", self.passed(), self.failed(), self.skipped())
+    }
+}
+
+impl fmt::Display for Case {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let err = |f: &mut fmt::Formatter<'_>, cmp: &str| match self.error {
+            Some(e) => write!(f, " (max err {e:.1e} {cmp} tol {:.1e})", self.tolerance),
+            None => Ok(()),
+        };
+        match &self.outcome {
+            Outcome::Passed => {
+                write!(f, "PASS {}", self.name)?;
+                err(f, "≤")
+            }
+            Outcome::Failed(why) => {
+                write!(f, "FAIL {}", self.name)?;
+                err(f, ">")?;
+                write!(f, ": {why}")
+            }
+            Outcome::Skipped(why) => write!(f, "SKIP {} {why}", self.name),
+        }
+    }
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for case in &self.cases {
+            writeln!(f, "{case}")?;
+        }
+        write!(f, "{}", self.summary())
+    }
+}
+
+/// Why a case did not produce a comparable error.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Fail {
+    /// Wrong shape, dtype or exact value: the case fails with this message.
+    Mismatch(String),
+    /// The backend lacks a capability: the case is skipped with this reason.
+    Skip(String),
+}
+
+/// What a case body returns: the measured error (compared with the case's tolerance).
+pub(crate) type Measured = Result<f64, Fail>;
+
+/// Shorthand for a mismatch.
+pub(crate) fn mismatch<T>(msg: impl Into<String>) -> Result<T, Fail> {
+    Err(Fail::Mismatch(msg.into()))
+}
+
+/// Runs cases one by one, each isolated by `catch_unwind`.
+pub(crate) struct Runner<'f> {
+    filter: Option<&'f str>,
+    /// While set, every case is recorded as skipped with this reason without running.
+    skip: Option<String>,
+    pub(crate) report: Report,
+}
+
+impl<'f> Runner<'f> {
+    pub(crate) fn new(filter: Option<&'f str>) -> Self {
+        Self { filter, skip: None, report: Report::default() }
+    }
+
+    /// Sets (or clears) the reason to skip the following cases.
+    pub(crate) fn skip_all(&mut self, reason: Option<String>) {
+        self.skip = reason;
+    }
+
+    /// Whether a case of this name is selected by the filter.
+    pub(crate) fn selected(&self, name: &str) -> bool {
+        self.filter.is_none_or(|f| name.contains(f))
+    }
+
+    /// Runs `body` as the case `name` unless filtered out or skipped.
+    pub(crate) fn case(&mut self, name: impl Into<String>, tolerance: f64, body: impl FnOnce() -> Measured) {
+        let name = name.into();
+        if !self.selected(&name) {
+            return;
+        }
+        let (error, outcome) = match &self.skip {
+            Some(why) => (None, Outcome::Skipped(why.clone())),
+            None => judge(catch_unwind(AssertUnwindSafe(body)), tolerance),
+        };
+        self.report.cases.push(Case { name, tolerance, error, outcome });
+    }
+}
+
+fn judge(result: std::thread::Result<Measured>, tolerance: f64) -> (Option<f64>, Outcome) {
+    match result {
+        Ok(Ok(err)) if err <= tolerance => (Some(err), Outcome::Passed),
+        Ok(Ok(err)) if err.is_nan() => (None, Outcome::Failed("NaN in the result".into())),
+        Ok(Ok(err)) => (Some(err), Outcome::Failed("error above tolerance".into())),
+        Ok(Err(Fail::Mismatch(msg))) => (None, Outcome::Failed(msg)),
+        Ok(Err(Fail::Skip(why))) => (None, Outcome::Skipped(why)),
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                .unwrap_or_else(|| "non-string panic payload".into());
+            (None, Outcome::Failed(format!("panicked: {msg}")))
+        }
+    }
+}
+
+/// The operation families and their tolerances (see the crate docs).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Family {
+    /// Data movement, creation, indexing, integer and boolean ops: bit-exact.
+    Exact,
+    /// One correctly rounded arithmetic op per element.
+    Elementwise,
+    /// exp, log, sin, tanh, erf, powf, sigmoid, silu, …
+    Transcendental,
+    /// Sums, means, variances, cumulative sums, relative to the sum of magnitudes.
+    Reduction,
+    /// Matrix products with inner dimension `K`, relative to `Σ|aᵢₖ·bₖⱼ|`.
+    Matmul(usize),
+    /// Multi-op formulas: softmax, log-softmax, cross-entropy, RMSNorm, RoPE, attention.
+    Composite,
+    /// Gradients from autodiff, against analytic or f64 finite-difference references.
+    Gradient,
+}
+
+/// Unit roundoff of a float dtype.
+pub(crate) fn unit_roundoff(dtype: DType) -> f64 {
+    match dtype {
+        DType::F64 => f64::EPSILON / 2.0,
+        DType::F16 => 2f64.powi(-11),
+        DType::BF16 => 2f64.powi(-8),
+        _ => 2f64.powi(-24),
+    }
+}
+
+/// The tolerance of a family for a dtype: the f32 base; ×1e-8 for f64; `max(base, k·u)` for
+/// the half types (u: unit roundoff).
+pub(crate) fn tol(family: Family, dtype: DType) -> f64 {
+    let (base, k) = match family {
+        Family::Exact => (0.0, 0.0),
+        Family::Elementwise => (1e-6, 2.0),
+        Family::Transcendental => (1e-5, 4.0),
+        Family::Reduction => (1e-5, 8.0),
+        Family::Matmul(k) => (1e-5 * (k as f64).sqrt(), 4.0 * (k as f64).sqrt()),
+        Family::Composite => (2e-5, 16.0),
+        Family::Gradient => (1e-4, 32.0),
+    };
+    match dtype {
+        DType::F64 => base * 1e-7,
+        DType::F16 | DType::BF16 => base.max(k * unit_roundoff(dtype)),
+        _ => base,
+    }
+}
+
+/// Short dtype label used in case names.
+pub(crate) fn dtype_name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F64 => "f64",
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        DType::I64 => "i64",
+        DType::I32 => "i32",
+        _ => "other",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn judge_passes_fails_and_catches_panics() {
+        let mut r = Runner::new(None);
+        r.case("ok", 1e-6, || Ok(1e-7));
+        r.case("too_far", 1e-6, || Ok(1e-3));
+        r.case("nan", 1e-6, || Ok(f64::NAN));
+        r.case("shape", 0.0, || mismatch("shape [2] ≠ [3]"));
+        r.case("panics", 0.0, || panic!("kernel exploded"));
+        r.case("skip", 0.0, || Err(Fail::Skip("no bf16".into())));
+        r.skip_all(Some("dtype bf16 unsupported".into()));
+        r.case("skipped_block", 0.0, || panic!("must not run"));
+        let rep = r.report;
+        assert_eq!((rep.passed(), rep.failed(), rep.skipped()), (1, 4, 2), "{rep}");
+        let text = rep.to_string();
+        assert!(text.contains("FAIL panics: panicked: kernel exploded"), "{text}");
+        assert!(text.contains("FAIL too_far (max err 1.0e-3 > tol 1.0e-6)"), "{text}");
+        assert!(text.contains("PASS ok (max err 1.0e-7 ≤ tol 1.0e-6)"), "{text}");
+        assert!(text.contains("SKIP skip no bf16"), "{text}");
+        assert!(text.ends_with("passed: 1 failed: 4 skipped: 2"), "{text}");
+    }
+
+    #[test]
+    fn filter_selects_by_substring() {
+        let mut r = Runner::new(Some("matmul"));
+        r.case("inner/f32/matmul.2d", 1.0, || Ok(0.0));
+        r.case("inner/f32/add", 1.0, || panic!("filtered out, must not run"));
+        assert_eq!(r.report.cases.len(), 1);
+    }
+
+    #[test]
+    fn half_tolerances_are_looser() {
+        assert!(tol(Family::Elementwise, DType::BF16) > 100.0 * tol(Family::Elementwise, DType::F32));
+        assert!(tol(Family::Elementwise, DType::F64) < tol(Family::Elementwise, DType::F32));
+        assert_eq!(tol(Family::Exact, DType::BF16), 0.0);
+    }
+}

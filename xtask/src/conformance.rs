@@ -1,0 +1,142 @@
+//! `cargo xtask conformance`: the backend conformance suite (issue #6) on one backend.
+//!
+//! Prints one line per case and `passed: N failed: M skipped: K`. Exit status: 0 when no
+//! case failed, 1 when one did (or on error), [`EXIT_UNAVAILABLE`] when the backend is not
+//! available in this build.
+
+use anyhow::Result;
+use burn::backend::{Autodiff, Flex, NdArray};
+
+/// Exit status when the requested backend is not available in this build.
+pub const EXIT_UNAVAILABLE: i32 = 3;
+
+/// The backends the suite can be asked to run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ConformanceBackend {
+    /// `Autodiff<NdArray<f32>>`, the CPU backend every command runs on (no bf16/f16).
+    Ndarray,
+    /// `Autodiff<Flex>`, burn's CPU backend with bf16 and f16.
+    Flex,
+    /// The CUDA proxy of burn-metax-backend.
+    CudaProxy,
+    /// MetaX GPUs through burn-metax-backend.
+    Metax,
+}
+
+impl ConformanceBackend {
+    /// The name as given to `--backend`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Ndarray => "ndarray",
+            Self::Flex => "flex",
+            Self::CudaProxy => "cuda-proxy",
+            Self::Metax => "metax",
+        }
+    }
+}
+
+/// Arguments of `conformance`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ConformanceArgs {
+    /// Backend to check.
+    #[arg(long, value_enum)]
+    pub backend: ConformanceBackend,
+    /// Run only the cases whose name contains this substring (e.g. `matmul`, `grad/`, `bf16`).
+    #[arg(long)]
+    pub filter: Option<String>,
+    /// Print only failed cases and the summary line.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+impl ConformanceArgs {
+    /// Parses a command line (`argv[0]` is the command name), as the binary does.
+    pub fn parse_from_args(argv: &[&str]) -> std::result::Result<Self, clap::Error> {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Wrap {
+            #[command(flatten)]
+            args: ConformanceArgs,
+        }
+        Wrap::try_parse_from(argv).map(|w| w.args)
+    }
+}
+
+/// How a run ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Status {
+    /// The suite ran on the backend.
+    Ran(burn_conformance::Report),
+    /// The backend is not available in this build; the line says why.
+    Unavailable(String),
+}
+
+impl Status {
+    /// The process exit status: 0 (no failure), 1 (failures) or [`EXIT_UNAVAILABLE`].
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Status::Ran(report) if report.failed() == 0 => 0,
+            Status::Ran(_) => 1,
+            Status::Unavailable(_) => EXIT_UNAVAILABLE,
+        }
+    }
+}
+
+/// Runs the command: the suite on `--backend`, printing the report.
+pub fn run(args: &ConformanceArgs) -> Result<Status> {
+    let filter = args.filter.as_deref();
+    let status = match args.backend {
+        ConformanceBackend::Ndarray => {
+            Status::Ran(burn_conformance::run::<Autodiff<NdArray<f32>>>(&Default::default(), filter))
+        }
+        ConformanceBackend::Flex => {
+            Status::Ran(burn_conformance::run::<Autodiff<Flex>>(&Default::default(), filter))
+        }
+        gpu @ (ConformanceBackend::CudaProxy | ConformanceBackend::Metax) => {
+            run_gpu_backend(gpu.name(), filter)?
+        }
+    };
+    match &status {
+        Status::Ran(report) => {
+            println!("backend {}:", args.backend.name());
+            for case in &report.cases {
+                if !args.quiet || matches!(case.outcome, burn_conformance::Outcome::Failed(_)) {
+                    println!("{case}");
+                }
+            }
+            println!("{}", report.summary());
+        }
+        Status::Unavailable(line) => println!("{line}"),
+    }
+    Ok(status)
+}
+
+/// Runs the suite on a GPU backend of burn-metax-backend: `metax` (MACA runtime, loaded from
+/// `$MACA_PATH`) or `cuda-proxy` (the same CubeCL server over the CUDA driver; needs xtask built
+/// with `--features cuda-proxy`). Reports the backend unavailable, with the reason, when there is
+/// no such device here.
+pub fn run_gpu_backend(name: &str, filter: Option<&str>) -> Result<Status> {
+    if name == "metax" {
+        use burn_metax_backend::{MacaRuntime, Metax};
+        return Ok(match MacaRuntime::first_device() {
+            Ok(device) => Status::Ran(burn_conformance::run::<Autodiff<Metax>>(&device, filter)),
+            Err(e) => Status::Unavailable(format!("backend metax: {e} (exit status {EXIT_UNAVAILABLE})")),
+        });
+    }
+    #[cfg(feature = "cuda-proxy")]
+    {
+        use burn_metax_backend::{CudaProxy, CudaProxyRuntime};
+        Ok(match CudaProxyRuntime::first_device() {
+            Ok(device) => Status::Ran(burn_conformance::run::<Autodiff<CudaProxy>>(&device, filter)),
+            Err(e) => Status::Unavailable(format!("backend {name}: {e} (exit status {EXIT_UNAVAILABLE})")),
+        })
+    }
+    #[cfg(not(feature = "cuda-proxy"))]
+    {
+        let _ = filter;
+        Ok(Status::Unavailable(format!(
+            "backend {name}: not available in this build: rebuild with `cargo run -p xtask --features cuda-proxy -- \
+             conformance --backend cuda-proxy` (exit status {EXIT_UNAVAILABLE})"
+        )))
+    }
+}
