@@ -6,6 +6,8 @@ pub mod conformance;
 pub mod consolidate;
 pub mod data;
 pub mod generate;
+#[cfg(feature = "cuda-proxy")]
+pub mod gpu_bench;
 pub mod launch;
 pub mod logits;
 #[cfg(feature = "mpi")]

@@ -28,6 +28,10 @@ enum Command {
     Consolidate(xtask::consolidate::ConsolidateArgs),
     /// Backend conformance suite: every op Qwen3 training and FSDP use vs float64 references.
     Conformance(xtask::conformance::ConformanceArgs),
+    /// Qwen3 training throughput, MFU and FSDP W=1 overhead on an NVIDIA GPU (CUDA proxy).
+    #[cfg(feature = "cuda-proxy")]
+    #[command(name = "gpu-bench")]
+    GpuBench(xtask::gpu_bench::GpuBenchArgs),
     /// (Run under mpirun.) Checks MPI collectives against in-process ones, and failure paths.
     #[cfg(feature = "mpi")]
     #[command(name = "mpi-selftest", hide = true)]
@@ -47,6 +51,12 @@ fn main() {
         }
         Command::Qwen3Logits(args) => xtask::logits::run(&args),
         Command::Consolidate(args) => xtask::consolidate::run(&args),
+        #[cfg(feature = "cuda-proxy")]
+        Command::GpuBench(args) => match xtask::gpu_bench::run(&args) {
+            Ok(true) => Ok(()),
+            Ok(false) => std::process::exit(3),
+            Err(e) => Err(e),
+        },
         #[cfg(feature = "mpi")]
         Command::MpiSelftest(args) => xtask::mpi_tools::selftest(&args),
         #[cfg(feature = "mpi")]
