@@ -238,6 +238,39 @@ impl CheckpointReader {
     }
 }
 
+/// Writes `index.json` (last, atomically) for the rank files of a `world`-rank save in `dir`,
+/// recording each file's size.
+fn write_index(
+    dir: &Path,
+    world: usize,
+    step: u64,
+    model_config: &serde_json::Value,
+    optim: &AdamWConfig,
+    params: Vec<ParamEntry>,
+) -> Result<(), CheckpointError> {
+    let files = (0..world)
+        .map(|r| {
+            let name = rank_file(r, world);
+            let p = dir.join(&name);
+            let bytes = std::fs::metadata(&p).map_err(io_err(&p))?.len();
+            Ok(FileEntry { name, bytes })
+        })
+        .collect::<Result<Vec<_>, IoError>>()?;
+    let index = CheckpointIndex {
+        format: FORMAT.into(),
+        step,
+        world_size: world,
+        model_config: model_config.clone(),
+        optimizer: Some((*optim).into()),
+        params,
+        files,
+    };
+    let json =
+        serde_json::to_string_pretty(&index).map_err(|e| invalid(dir.join(INDEX_FILE), e.to_string()))?;
+    write_atomic(&dir.join(INDEX_FILE), json.as_bytes())?;
+    Ok(())
+}
+
 struct AdamStep {
     step: u64,
 }
@@ -337,26 +370,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
                     })
                 })
                 .collect();
-            let files = (0..world)
-                .map(|r| {
-                    let name = rank_file(r, world);
-                    let p = dir.join(&name);
-                    let bytes = std::fs::metadata(&p).map_err(io_err(&p))?.len();
-                    Ok(FileEntry { name, bytes })
-                })
-                .collect::<Result<Vec<_>, IoError>>()?;
-            let index = CheckpointIndex {
-                format: FORMAT.into(),
-                step,
-                world_size: world,
-                model_config: model_config.clone(),
-                optimizer: Some((*optim.config()).into()),
-                params,
-                files,
-            };
-            let json = serde_json::to_string_pretty(&index)
-                .map_err(|e| invalid(dir.join(INDEX_FILE), e.to_string()))?;
-            write_atomic(&dir.join(INDEX_FILE), json.as_bytes())?;
+            write_index(dir, world, step, model_config, optim.config(), params)?;
         }
         group.barrier(&Tag::new("checkpoint:done")).map_err(FsdpError::from)?;
         Ok(())
@@ -458,26 +472,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         }
         barrier("files-written")?;
         if rank == 0 && writer {
-            let files = (0..world)
-                .map(|r| {
-                    let name = rank_file(r, world);
-                    let p = dir.join(&name);
-                    let bytes = std::fs::metadata(&p).map_err(io_err(&p))?.len();
-                    Ok(FileEntry { name, bytes })
-                })
-                .collect::<Result<Vec<_>, IoError>>()?;
-            let index = CheckpointIndex {
-                format: FORMAT.into(),
-                step,
-                world_size: world,
-                model_config: model_config.clone(),
-                optimizer: Some((*optim.config()).into()),
-                params: entries,
-                files,
-            };
-            let json = serde_json::to_string_pretty(&index)
-                .map_err(|e| invalid(dir.join(INDEX_FILE), e.to_string()))?;
-            write_atomic(&dir.join(INDEX_FILE), json.as_bytes())?;
+            write_index(dir, world, step, model_config, optim.config(), entries)?;
         }
         barrier("done")?;
         Ok(())
