@@ -81,14 +81,6 @@ const HEADER_LEN: usize = 128;
 /// How many tag bytes a header carries (for messages; equality uses all of them).
 const HEADER_TAG_LEN: usize = HEADER_LEN - 32;
 
-/// Whether this process was started by an MPI launcher (`mpirun`, `mpiexec`, `srun` with
-/// PMI/PMIx): the environment variables OpenMPI, MPICH and Slurm set for every rank.
-pub fn launched_by_mpi() -> bool {
-    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK", "MPI_LOCALNRANKS"]
-        .iter()
-        .any(|v| std::env::var_os(v).is_some())
-}
-
 /// A heap buffer handed to MPI: leaked while a request may use it, reclaimed afterwards.
 struct Leaked {
     ptr: *mut [u8],
