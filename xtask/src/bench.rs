@@ -173,8 +173,8 @@ pub fn qwen3_50m() -> Qwen3Config {
 // ---------------------------------------------------------------------------------------
 // Collectives.
 
-/// GB/s of a plain memory copy of `bytes` (warm buffers, one thread).
-fn memcpy_gbps(bytes: usize, reps: usize) -> f64 {
+/// Seconds for `reps` copies of `bytes` between two warm buffers on this thread.
+pub(crate) fn timed_copies(bytes: usize, reps: usize) -> f64 {
     let src = vec![1.0f32; bytes / 4];
     let mut dst = vec![0.0f32; bytes / 4];
     dst.copy_from_slice(&src);
@@ -183,28 +183,19 @@ fn memcpy_gbps(bytes: usize, reps: usize) -> f64 {
         dst.copy_from_slice(&src);
         std::hint::black_box(&dst[i % dst.len()]);
     }
-    (bytes * reps) as f64 / start.elapsed().as_secs_f64() / 1e9
+    start.elapsed().as_secs_f64()
+}
+
+/// GB/s of a plain memory copy of `bytes` (warm buffers, one thread).
+fn memcpy_gbps(bytes: usize, reps: usize) -> f64 {
+    (bytes * reps) as f64 / timed_copies(bytes, reps) / 1e9
 }
 
 /// GB/s per thread of `threads` threads each copying `bytes` at the same time (warm buffers):
 /// the copy an ideal in-process all-gather with one output per rank has to make.
 fn parallel_memcpy_gbps(threads: usize, bytes: usize, reps: usize) -> f64 {
     let secs = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..threads)
-            .map(|_| {
-                s.spawn(move || {
-                    let src = vec![1.0f32; bytes / 4];
-                    let mut dst = vec![0.0f32; bytes / 4];
-                    dst.copy_from_slice(&src);
-                    let start = Instant::now();
-                    for i in 0..reps {
-                        dst.copy_from_slice(&src);
-                        std::hint::black_box(&dst[i % dst.len()]);
-                    }
-                    start.elapsed().as_secs_f64()
-                })
-            })
-            .collect();
+        let handles: Vec<_> = (0..threads).map(|_| s.spawn(move || timed_copies(bytes, reps))).collect();
         handles.into_iter().map(|h| h.join().unwrap_or(f64::NAN)).fold(0.0f64, f64::max)
     });
     (bytes * reps) as f64 / secs / 1e9

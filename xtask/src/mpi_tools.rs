@@ -204,15 +204,8 @@ pub fn bench(args: &MpiBenchArgs) -> Result<()> {
     }
     let rs = start.elapsed().as_secs_f64() / reps as f64;
     // memcpy of the same number of bytes, in this process, while the others do the same.
-    let src = vec![1u8; n_shard * w * 4];
-    let mut dst = vec![0u8; src.len()];
     g.barrier(&Tag::new("b2")).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let start = Instant::now();
-    for _ in 0..reps {
-        dst.copy_from_slice(std::hint::black_box(&src));
-        std::hint::black_box(&mut dst);
-    }
-    let mc = start.elapsed().as_secs_f64() / reps as f64;
+    let mc = crate::bench::timed_copies(n_shard * w * 4, reps) / reps as f64;
     let gbps = |s: f64| (n_shard * w * 4) as f64 / s / 1e9;
     let times = Tensor::<NdBackend, 1>::from_floats([ag as f32, rs as f32, mc as f32], &device);
     let worst = g
