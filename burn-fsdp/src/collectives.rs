@@ -50,6 +50,10 @@ pub struct UnitComm<B: Backend> {
     pub param_dtype: Option<DType>,
     /// dtype of the reduce-scatter (mixed precision `reduce_dtype`); `None` keeps the grad's.
     pub reduce_dtype: Option<DType>,
+    /// The unit's index in its [`Fsdp`](crate::Fsdp) (0 = root).
+    pub index: usize,
+    /// The rank's communication thread and prefetch state; `None` runs collectives inline.
+    pub prefetch: Option<Arc<crate::prefetch::Prefetcher<B>>>,
 }
 
 impl<B: Backend> std::fmt::Debug for UnitComm<B> {
@@ -82,12 +86,18 @@ impl<B: Backend> UnitComm<B> {
     /// Turns the unit's full gradient into the rank's averaged shard gradient, or keeps it
     /// for later when gradient sync is off (then returns `None`).
     pub fn reduce(&self, full_grad: Tensor<B, 1>) -> Option<Tensor<B, 1>> {
+        self.reduce_with(full_grad, self.sync.load(Ordering::SeqCst))
+    }
+
+    /// [`reduce`](Self::reduce) with the gradient-sync flag as it was when the backward ran
+    /// (the communication thread may run it after the flag changed).
+    pub fn reduce_with(&self, full_grad: Tensor<B, 1>, sync: bool) -> Option<Tensor<B, 1>> {
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
         let total = match pending.take() {
             Some(p) => p + full_grad,
             None => full_grad,
         };
-        if !self.sync.load(Ordering::SeqCst) {
+        if !sync {
             *pending = Some(total);
             return None;
         }

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::backend::Backend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 
@@ -19,6 +19,7 @@ use crate::offload::{HostStore, OffloadPolicy};
 use crate::op::FsdpBackend;
 use crate::optim::{AdamW, clip_coefficient, grad_sq_sum, grad_sq_sum_split, scale_grads};
 use crate::param::ShardedParam;
+use crate::prefetch::{PrefetchStats, Prefetcher};
 use crate::runner::UnitRunner;
 use crate::unit::FsdpUnit;
 
@@ -83,6 +84,11 @@ pub struct FsdpConfig {
     pub mp_policy: MixedPrecisionPolicy,
     /// CPU offload of shards, gradients and optimizer state.
     pub offload: OffloadPolicy,
+    /// Overlap communication with compute (FSDP2's default forward and backward prefetch of
+    /// one unit, and reduce-scatters that run while backward continues): every collective of
+    /// the rank runs on a communication thread ([`crate::prefetch`]). `false` runs each
+    /// collective on the compute thread when it is needed.
+    pub prefetch: bool,
 }
 
 impl Default for FsdpConfig {
@@ -93,6 +99,7 @@ impl Default for FsdpConfig {
             units: UnitPolicy::default(),
             mp_policy: MixedPrecisionPolicy::default(),
             offload: OffloadPolicy::default(),
+            prefetch: true,
         }
     }
 }
@@ -214,6 +221,8 @@ pub struct Fsdp<B: FsdpBackend, M: Module<B>> {
     /// Host copies of the shards, gradients and optimizer state, with offload.
     host: Option<Arc<HostStore>>,
     config: FsdpConfig,
+    /// The communication thread and prefetch state (world > 1 with `config.prefetch`).
+    prefetch: Option<Arc<Prefetcher<B::InnerBackend>>>,
 }
 
 impl<B: FsdpBackend, M: Module<B>> std::fmt::Debug for Fsdp<B, M> {
@@ -289,6 +298,8 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
             members[u].push(ShardedParam::new(id, path, shape, world));
         }
         let sync = Arc::new(AtomicBool::new(true));
+        let prefetch = (config.prefetch && world > 1)
+            .then(|| Prefetcher::<B::InnerBackend>::new(unit_names.len(), &format!("rank{rank}")));
         let units = unit_names
             .into_iter()
             .zip(members)
@@ -311,6 +322,8 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
                         pending: Mutex::new(None),
                         param_dtype: config.mp_policy.param_dtype,
                         reduce_dtype: config.mp_policy.reduce_dtype,
+                        index: i,
+                        prefetch: prefetch.clone(),
                     }),
                     name,
                     params,
@@ -319,6 +332,9 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
                 }
             })
             .collect::<Vec<_>>();
+        if let Some(p) = &prefetch {
+            p.set_units(&units.iter().map(|u| u.comm.clone()).collect::<Vec<_>>());
+        }
         let host = config.offload.enabled.then(|| Arc::new(HostStore::default()));
         let mut sharder = Sharder::<B> {
             units: &units,
@@ -337,6 +353,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
             stash: Mutex::new(None),
             host,
             config,
+            prefetch,
         })
     }
 
@@ -402,6 +419,11 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     /// its parameters directly, so the computation (and its rounding) is exactly that of the
     /// unwrapped model.
     pub fn forward<O>(&self, f: impl FnOnce(&M, &mut FsdpRunner<'_, B, M>) -> O) -> O {
+        if let Some(p) = &self.prefetch
+            && !self.bypass()
+        {
+            p.begin_forward(self.all_shards());
+        }
         let root = if self.units[0].params.is_empty() || self.bypass() {
             self.module.clone()
         } else {
@@ -409,6 +431,68 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         };
         let mut runner = FsdpRunner { fsdp: self };
         f(&root, &mut runner)
+    }
+
+    /// What the overlap of communication with compute achieved on this rank (see
+    /// [`crate::prefetch`]); `None` when it is off (`prefetch: false`, or world size 1).
+    pub fn prefetch_stats(&self) -> Option<PrefetchStats> {
+        self.prefetch.as_ref().map(|p| p.stats())
+    }
+
+    /// Waits until this rank's communication thread is idle. FSDP's own methods call it
+    /// before issuing collectives from the compute thread; call it before using the FSDP
+    /// process group directly while a forward or backward may have left work queued.
+    pub fn quiesce(&self) {
+        if let Some(p) = &self.prefetch {
+            p.quiesce();
+        }
+    }
+
+    /// Every unit's shard tensors on the inner backend, for the prefetcher (`None` for
+    /// offloaded units, whose shards live on the host).
+    fn all_shards(&self) -> Vec<Option<Vec<FloatTensor<B::InnerBackend>>>> {
+        let shards = collect_shards::<B, M>(&self.module, &self.param_unit, self.units.len());
+        self.units
+            .iter()
+            .zip(&shards)
+            .map(|(unit, map)| {
+                (self.host.is_none() && !unit.params.is_empty())
+                    .then(|| unit_shards::<B, _>(unit, map).into_iter().map(B::inner).collect())
+            })
+            .collect()
+    }
+
+    /// Registers the reduced flat shard gradients of units (from the communication thread)
+    /// as the gradients of their parameters' shards.
+    fn register_reduced(
+        &self,
+        grads: &mut GradientsParams,
+        reduced: Vec<(usize, Tensor<B::InnerBackend, 1>)>,
+    ) {
+        if reduced.is_empty() {
+            return;
+        }
+        let mut pieces: HashMap<ParamId, Tensor<B::InnerBackend, 1>> = HashMap::new();
+        for (u, g) in reduced {
+            let unit = &self.units[u];
+            for (p, offset) in unit.params.iter().zip(&unit.offsets) {
+                pieces.insert(p.id, g.clone().narrow(0, *offset, p.shard_numel()));
+            }
+        }
+        struct Register<'a, I: Backend> {
+            pieces: HashMap<ParamId, Tensor<I, 1>>,
+            grads: &'a mut GradientsParams,
+        }
+        impl<B: AutodiffBackend> ModuleVisitor<B> for Register<'_, B::InnerBackend> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                let Some(piece) = self.pieces.remove(&param.id) else { return };
+                let shard = param.val();
+                let piece = if piece.dtype() == shard.dtype() { piece } else { piece.cast(shard.dtype()) };
+                let g: Tensor<B::InnerBackend, D> = piece.reshape(shard.shape());
+                self.grads.register(param.id, g);
+            }
+        }
+        self.module.visit(&mut Register::<B::InnerBackend> { pieces, grads });
     }
 
     /// FSDP2's `set_requires_gradient_sync`: with `false`, backward keeps unsharded gradients
@@ -425,16 +509,22 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         M: AutodiffModule<B>,
     {
         let sync = self.sync.load(Ordering::SeqCst);
+        // Reduce-scatters still running on the communication thread.
+        let reduced = self.prefetch.as_ref().map(|p| p.finish_reductions()).unwrap_or_default();
         if self.host.is_some() {
             // Offload: the gather op's backward already copied the reduced gradients to the
             // host store, where `clip_grad_norm` and `step` find them.
             drop(grads);
             return GradientsParams::new();
         }
-        let current = GradientsParams::from_grads(grads, &self.module);
+        let mut current = GradientsParams::from_grads(grads, &self.module);
         if !self.bypass() {
             // The gather op kept (or reduced) the full gradients itself.
-            return if sync { current } else { GradientsParams::new() };
+            if !sync {
+                return GradientsParams::new();
+            }
+            self.register_reduced(&mut current, reduced);
+            return current;
         }
         let mut stash = self.stash.lock().unwrap_or_else(|p| p.into_inner());
         let total = match stash.take() {
@@ -538,6 +628,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         if self.world() == 1 && self.replicate_group().is_none_or(|g| g.size() == 1) {
             return Ok(value);
         }
+        self.quiesce();
         let t = Tensor::<B::InnerBackend, 1>::from_data(
             TensorData::new(vec![value as f32], [1]),
             self.mesh.device(),
@@ -589,6 +680,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     /// Every unsharded parameter as `(path, shape, values)`, gathered from all ranks (every
     /// rank must call this; each gets the full list). For export and checks.
     pub fn full_parameters(&self) -> Result<Vec<(String, Vec<usize>, TensorData)>, FsdpError> {
+        self.quiesce();
         let shards = self.shard_values();
         let group = self.shard_group();
         let mut out = Vec::new();

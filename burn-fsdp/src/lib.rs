@@ -19,6 +19,7 @@ pub mod checkpoint;
 pub mod collectives;
 pub mod comm;
 pub mod fsdp;
+pub mod host;
 pub mod io;
 pub mod local;
 pub mod mesh;
@@ -28,7 +29,9 @@ pub mod offload;
 pub mod op;
 pub mod optim;
 pub mod param;
+pub mod prefetch;
 pub mod runner;
+pub mod tcp;
 pub mod tp;
 pub mod unit;
 

@@ -331,9 +331,10 @@ impl LocalGroup {
         let inputs = self.exchange(kind, tag, Arc::new(mine), bytes)?;
         let pick = if scatter { self.rank } else { 0 };
         let parts = self.host_parts(kind, tag, &inputs, pick, n, dtype)?;
-        let data = match reduce_host(&parts, dtype, op) {
-            Some(data) => data,
-            None => {
+        let bytes: Vec<&[u8]> = parts.iter().map(|p| p.as_bytes()).collect();
+        let data = match crate::host::reduce_bytes(&bytes, dtype, op) {
+            Ok(bytes) => TensorData::from_bytes_vec(bytes, [n], dtype),
+            Err(_) => {
                 let tensors: Vec<Tensor<B, 1>> =
                     parts.iter().map(|p| Tensor::from_data((*p).clone(), (&device, dtype))).collect();
                 return Ok(reduce_range(&tensors, 0..n, op));
@@ -397,49 +398,6 @@ fn concat_host(parts: &[&TensorData], dtype: DType) -> Option<TensorData> {
         DType::U8 => concat_as::<u8>(parts),
         _ => return None,
     })
-}
-
-/// Sum (or mean, dividing by `divisor`) of `parts` in rank order, element by element: the
-/// same operations in the same order as the backend ops of [`reduce_range`] (`acc + part`,
-/// then `acc / world`), so the results are bit-identical to them. Done in cache-sized blocks,
-/// so the output is written once.
-fn sum_as<E: Element + std::ops::Add<Output = E> + std::ops::Div<Output = E>>(
-    parts: &[&TensorData],
-    divisor: Option<E>,
-) -> Option<TensorData> {
-    const BLOCK: usize = 4096;
-    let slices = parts.iter().map(|p| p.as_slice::<E>().ok()).collect::<Option<Vec<&[E]>>>()?;
-    let n = slices[0].len();
-    let mut acc: Vec<E> = Vec::with_capacity(n);
-    for start in (0..n).step_by(BLOCK) {
-        let end = (start + BLOCK).min(n);
-        acc.extend_from_slice(&slices[0][start..end]);
-        let block = &mut acc[start..end];
-        for s in &slices[1..] {
-            for (a, &b) in block.iter_mut().zip(&s[start..end]) {
-                *a = *a + b;
-            }
-        }
-        if let Some(d) = divisor {
-            for a in block.iter_mut() {
-                *a = *a / d;
-            }
-        }
-    }
-    Some(TensorData::new(acc, [n]))
-}
-
-/// The host reduction of `parts` for f32 and f64 sums and means; `None` for other dtypes and
-/// ops, which the caller reduces with backend ops ([`reduce_range`]).
-fn reduce_host(parts: &[&TensorData], dtype: DType, op: ReduceOp) -> Option<TensorData> {
-    let world = parts.len();
-    match (dtype, op) {
-        (DType::F32, ReduceOp::Sum) => sum_as::<f32>(parts, None),
-        (DType::F32, ReduceOp::Avg) => sum_as::<f32>(parts, Some(world as f32)),
-        (DType::F64, ReduceOp::Sum) => sum_as::<f64>(parts, None),
-        (DType::F64, ReduceOp::Avg) => sum_as::<f64>(parts, Some(world as f64)),
-        _ => None,
-    }
 }
 
 /// Reduces `range` of every tensor in rank order (the same order on every rank, so all ranks
@@ -747,7 +705,10 @@ mod tests {
             let parts: Vec<&TensorData> = data.iter().collect();
             let tensors: Vec<Tensor<B, 1>> = inputs.into_iter().map(t).collect();
             for op in [ReduceOp::Sum, ReduceOp::Avg] {
-                let host = reduce_host(&parts, DType::F32, op).unwrap().to_vec::<f32>().unwrap();
+                let bytes: Vec<&[u8]> = parts.iter().map(|p| p.as_bytes()).collect();
+                let host = crate::host::reduce_bytes(&bytes, DType::F32, op).unwrap();
+                let host: Vec<f32> =
+                    host.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
                 let ops = vals(reduce_range(&tensors, 0..n, op));
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&host), bits(&ops), "W={world} {op:?}");

@@ -541,101 +541,7 @@ fn dtype_code(d: DType) -> Option<u8> {
     })
 }
 
-/// Host reduction of `parts` (one byte slice per rank, in rank order) of dtype `dtype`.
-/// Same arithmetic as the in-process group: rank-order sum, f32 accumulation for 16-bit
-/// floats rounded once, `Avg` = sum / ranks.
-fn reduce_host(parts: &[&[u8]], dtype: DType, op: ReduceOp) -> Result<Vec<u8>, String> {
-    let n_ranks = parts.len();
-    fn fold<T: Copy>(
-        cols: &[Vec<T>],
-        op: ReduceOp,
-        add: impl Fn(T, T) -> T,
-        max: impl Fn(T, T) -> T,
-    ) -> Vec<T> {
-        let mut acc = cols[0].clone();
-        for c in &cols[1..] {
-            for (a, b) in acc.iter_mut().zip(c) {
-                *a = match op {
-                    ReduceOp::Sum | ReduceOp::Avg => add(*a, *b),
-                    ReduceOp::Max => max(*a, *b),
-                };
-            }
-        }
-        acc
-    }
-    let f32s = |p: &[u8]| p.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-    let f32_max = |a: f32, b: f32| if a >= b { a } else { b };
-    Ok(match dtype {
-        DType::F32 => {
-            let cols: Vec<Vec<f32>> = parts.iter().map(|p| f32s(p)).collect();
-            let mut acc = fold(&cols, op, |a, b| a + b, f32_max);
-            if op == ReduceOp::Avg {
-                acc.iter_mut().for_each(|a| *a /= n_ranks as f32);
-            }
-            acc.iter().flat_map(|v| v.to_le_bytes()).collect()
-        }
-        DType::F64 => {
-            let cols: Vec<Vec<f64>> = parts
-                .iter()
-                .map(|p| {
-                    p.chunks_exact(8)
-                        .map(|c| {
-                            let mut a = [0u8; 8];
-                            a.copy_from_slice(c);
-                            f64::from_le_bytes(a)
-                        })
-                        .collect()
-                })
-                .collect();
-            let mut acc = fold(&cols, op, |a, b| a + b, |a, b| if a >= b { a } else { b });
-            if op == ReduceOp::Avg {
-                acc.iter_mut().for_each(|a| *a /= n_ranks as f64);
-            }
-            acc.iter().flat_map(|v| v.to_le_bytes()).collect()
-        }
-        DType::BF16 | DType::F16 => {
-            let widen = |p: &[u8]| -> Vec<f32> {
-                p.chunks_exact(2)
-                    .map(|c| {
-                        let bits = u16::from_le_bytes([c[0], c[1]]);
-                        if dtype == DType::BF16 {
-                            half::bf16::from_bits(bits).to_f32()
-                        } else {
-                            half::f16::from_bits(bits).to_f32()
-                        }
-                    })
-                    .collect()
-            };
-            let cols: Vec<Vec<f32>> = parts.iter().map(|p| widen(p)).collect();
-            let mut acc = fold(&cols, op, |a, b| a + b, f32_max);
-            if op == ReduceOp::Avg {
-                acc.iter_mut().for_each(|a| *a /= n_ranks as f32);
-            }
-            acc.iter()
-                .flat_map(|v| {
-                    let bits = if dtype == DType::BF16 {
-                        half::bf16::from_f32(*v).to_bits()
-                    } else {
-                        half::f16::from_f32(*v).to_bits()
-                    };
-                    bits.to_le_bytes()
-                })
-                .collect()
-        }
-        other => return Err(format!("cannot reduce tensors of dtype {other:?}")),
-    })
-}
-
-fn to_bytes<B: Backend>(t: Tensor<B, 1>) -> (Vec<u8>, DType, usize) {
-    let n = t.shape().num_elements();
-    let data = t.into_data();
-    let dtype = data.dtype;
-    (data.into_bytes().to_vec(), dtype, n)
-}
-
-fn from_bytes<B: Backend>(bytes: Vec<u8>, n: usize, dtype: DType, device: &B::Device) -> Tensor<B, 1> {
-    Tensor::from_data(TensorData::from_bytes_vec(bytes, [n], dtype), (device, dtype))
-}
+use crate::host::{from_bytes, to_bytes};
 
 impl MpiGroup {
     fn prepare<B: Backend>(
@@ -668,7 +574,7 @@ impl MpiGroup {
         if chunk == 0 {
             return Ok(Vec::new());
         }
-        reduce_host(&parts, dtype, op).map_err(|m| self.bad(kind, tag, m))
+        crate::host::reduce_bytes(&parts, dtype, op).map_err(|m| self.bad(kind, tag, m))
     }
 }
 
@@ -831,33 +737,5 @@ mod tests {
             (d.seq, d.kind, d.dtype, d.elems, d.extra, d.tag.as_str()),
             (7, 2, 4, 123, 9, "layers.3/grad")
         );
-    }
-
-    #[test]
-    fn host_reduction_is_rank_ordered_f32() {
-        let parts: Vec<Vec<u8>> = [[1e8f32, 1.0], [1.0, 2.0], [-1e8, 3.0]]
-            .iter()
-            .map(|v| v.iter().flat_map(|x| x.to_le_bytes()).collect())
-            .collect();
-        let refs: Vec<&[u8]> = parts.iter().map(|p| p.as_slice()).collect();
-        let out = reduce_host(&refs, DType::F32, ReduceOp::Sum).expect("reduce");
-        let v: Vec<f32> = out.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-        // (1e8 + 1) + -1e8 in f32 is 0, not 1: the order is rank order, as in LocalGroup.
-        assert_eq!(v, vec![(1e8f32 + 1.0) + -1e8, 6.0]);
-        let avg = reduce_host(&refs, DType::F32, ReduceOp::Avg).expect("reduce");
-        assert_eq!(f32::from_le_bytes([avg[4], avg[5], avg[6], avg[7]]), 2.0);
-    }
-
-    #[test]
-    fn host_reduction_bf16_accumulates_in_f32() {
-        let vals =
-            [half::bf16::from_f32(1.0), half::bf16::from_f32(0.00390625), half::bf16::from_f32(0.00390625)];
-        let parts: Vec<Vec<u8>> = vals.iter().map(|v| v.to_bits().to_le_bytes().to_vec()).collect();
-        let refs: Vec<&[u8]> = parts.iter().map(|p| p.as_slice()).collect();
-        let out = reduce_host(&refs, DType::BF16, ReduceOp::Sum).expect("reduce");
-        let got = half::bf16::from_bits(u16::from_le_bytes([out[0], out[1]])).to_f32();
-        // In bf16 each small addend would round away; in f32 they add to 1.0078125.
-        assert_eq!(got, half::bf16::from_f32(1.0078125).to_f32());
-        assert!(reduce_host(&refs, DType::I32, ReduceOp::Sum).is_err());
     }
 }

@@ -100,9 +100,26 @@ impl<B: Backend, const N: usize> Backward<B, N> for GatherBackward<B> {
 
     fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
         let grad = wrap::<B>(grads.consume::<B>(&ops.node));
+        // The flat fallback's parent is Burn's own concatenation, whose backward needs its
+        // gradient registered now: it waits for its reduce-scatter (still on the
+        // communication thread, to keep every rank's collectives in one order).
+        let flat_parent = matches!(self.parents, Parents::Flat);
+        if let Some(prefetch) = self.unit.prefetch.as_ref().filter(|_| !flat_parent) {
+            // Reduce on the communication thread while backward goes on: the shards' gradients
+            // are collected by `Fsdp::gradients` (offloaded ones go straight to the host).
+            let deliver: Option<Box<dyn FnOnce(Tensor<B, 1>) + Send>> = match self.parents {
+                Parents::Host(host, ids) => Some(Box::new(move |g| host.accumulate_grad(&ids, g))),
+                _ => None,
+            };
+            prefetch.reduce(self.unit.index, &self.unit, grad, deliver);
+            return;
+        }
         let device = grad.device();
         // Reduce even when no shard needs a gradient: every rank must issue the collective.
-        let reduced = self.unit.reduce(grad);
+        let reduced = match &self.unit.prefetch {
+            Some(prefetch) => prefetch.reduce_blocking(&self.unit, grad),
+            None => self.unit.reduce(grad),
+        };
         match self.parents {
             Parents::Flat => {
                 let g = reduced.unwrap_or_else(|| Tensor::zeros([self.unit.shard_len], &device));
@@ -152,16 +169,26 @@ struct RetroGather<B: Backend> {
 
 impl<B: Backend> RetroForward for RetroGather<B> {
     fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
+        // The shard values are read (and their states released) even when the re-gather was
+        // prefetched.
         let shard = match &self.sources {
-            Sources::Nodes(ids) => flat_concat::<B>(
+            Sources::Nodes(ids) => Some(flat_concat::<B>(
                 ids.iter().map(|id| states.get_state::<B::FloatTensorPrimitive>(id)).collect(),
-            ),
-            Sources::Host(host, ids, device) => {
+            )),
+            Sources::Host(..) => None,
+        };
+        let shard = move || match (&self.sources, shard) {
+            (_, Some(shard)) => shard,
+            (Sources::Host(host, ids, device), None) => {
                 let ids: Vec<ParamId> = ids.iter().map(|(id, _)| *id).collect();
                 host.upload::<B>(&ids, device)
             }
+            (Sources::Nodes(_), None) => unreachable!("node sources were read above"),
         };
-        let full = self.unit.gather(shard, Phase::BackwardGather);
+        let full = match &self.unit.prefetch {
+            Some(p) => p.backward_gather(self.unit.index, &self.unit, shard),
+            None => self.unit.gather(shard(), Phase::BackwardGather),
+        };
         states.save(out_node, full.into_primitive().tensor());
     }
 }
@@ -216,8 +243,12 @@ impl<B: Backend, C: CheckpointStrategy> FsdpBackend for Autodiff<B, C> {
         unit: Arc<UnitComm<B>>,
         recompute: bool,
     ) -> FloatTensor<Self> {
-        let flat = flat_concat::<B>(shards.iter().map(|s| s.primitive.clone()).collect());
-        let output = unit.gather(flat, Phase::ForwardGather).into_primitive().tensor();
+        let flat = || flat_concat::<B>(shards.iter().map(|s| s.primitive.clone()).collect());
+        let output = match &unit.prefetch {
+            Some(p) => p.forward_gather(unit.index, &unit, flat),
+            None => unit.gather(flat(), Phase::ForwardGather),
+        };
+        let output = output.into_primitive().tensor();
         let anchor = anchor.filter(|a| a.is_tracked());
         let (sources, kind) = if shards.len() <= MAX_DIRECT_PARENTS {
             let shapes = shards.iter().map(|s| (s.primitive.shape(), s.primitive.dtype())).collect();
@@ -247,8 +278,12 @@ impl<B: Backend, C: CheckpointStrategy> FsdpBackend for Autodiff<B, C> {
     ) -> FloatTensor<Self> {
         let device = B::float_device(&anchor.primitive);
         let keys: Vec<ParamId> = ids.iter().map(|(id, _)| *id).collect();
-        let shard = host.upload::<B>(&keys, &device);
-        let output = unit.gather(shard, Phase::ForwardGather).into_primitive().tensor();
+        let shard = || host.upload::<B>(&keys, &device);
+        let output = match &unit.prefetch {
+            Some(p) => p.forward_gather(unit.index, &unit, shard),
+            None => unit.gather(shard(), Phase::ForwardGather),
+        };
+        let output = output.into_primitive().tensor();
         let kind = Parents::Host(host, ids);
         register::<B, C, 1>(&[&anchor], 0, kind, unit, recompute, output)
     }

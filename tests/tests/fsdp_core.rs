@@ -26,6 +26,7 @@ struct Run {
     losses: Vec<f64>,
     norms: Vec<f64>,
     params: Vec<(String, Vec<f32>)>,
+    prefetch: Option<burn_fsdp::prefetch::PrefetchStats>,
 }
 
 /// Single-device toy training: `micro` micro-batches per step, optional clipping.
@@ -55,7 +56,7 @@ fn toy_single(micro: usize, clip: f64) -> Run {
         .into_iter()
         .zip(collect_values(&model.valid()))
         .collect();
-    Run { losses, norms, params }
+    Run { losses, norms, params, prefetch: None }
 }
 
 fn collect_values(m: &Toy<B>) -> Vec<Vec<f32>> {
@@ -73,12 +74,16 @@ fn collect_values(m: &Toy<B>) -> Vec<Vec<f32>> {
 
 /// FSDP toy training on `world` in-process ranks; returns rank 0's view.
 fn toy_fsdp(world: usize, micro: usize, clip: f64, reshard: bool) -> Run {
+    toy_fsdp_with(world, micro, clip, FsdpConfig { reshard_after_forward: reshard, ..FsdpConfig::default() })
+}
+
+/// [`toy_fsdp`] with any config.
+fn toy_fsdp_with(world: usize, micro: usize, clip: f64, config: FsdpConfig) -> Run {
     let runs = launch(world, Duration::from_secs(60), |group| {
         let device = Default::default();
         let rank = group.rank();
         let mesh = DeviceMesh::new_1d(group, device);
-        let config = FsdpConfig { reshard_after_forward: reshard, ..FsdpConfig::default() };
-        let mut fsdp = Fsdp::wrap(Toy::<FB>::new(3, &device), &mesh, config)?;
+        let mut fsdp = Fsdp::wrap(Toy::<FB>::new(3, &device), &mesh, config.clone())?;
         // Every parameter is sharded: local numel = ceil(rows / W) · cols.
         for unit in fsdp.units() {
             for p in &unit.params {
@@ -112,7 +117,7 @@ fn toy_fsdp(world: usize, micro: usize, clip: f64, reshard: bool) -> Run {
             .into_iter()
             .map(|(path, _, data)| (path, data.to_vec::<f32>().unwrap()))
             .collect();
-        Ok::<_, burn_fsdp::FsdpError>(Run { losses, norms, params })
+        Ok::<_, burn_fsdp::FsdpError>(Run { losses, norms, params, prefetch: fsdp.prefetch_stats() })
     })
     .unwrap();
     runs.into_iter().next().unwrap()
@@ -229,7 +234,8 @@ fn counts(world: usize, micro: usize, reshard: bool) -> Vec<CommStats> {
             let loss =
                 fsdp.forward(|model, r| model.loss(x.narrow(0, start, per), y.narrow(0, start, per), r));
             stats.push(fsdp.comm_stats());
-            let _grads = loss.backward();
+            // Reduce-scatters run on the communication thread; `gradients` collects them.
+            let _grads = fsdp.gradients(loss.backward());
             stats.push(fsdp.comm_stats());
         }
         Ok::<_, burn_fsdp::FsdpError>(stats)
@@ -401,4 +407,33 @@ fn units_with_many_parameters_use_the_flat_fallback_and_still_match() {
     .unwrap()
     .remove(0);
     assert!(max_rel_diff(&got, &want) < 1e-5, "{got:?} vs {want:?}");
+}
+
+#[test]
+fn prefetch_and_async_reduce_scatter_change_nothing_but_the_order_of_waiting() {
+    let inline =
+        |micro, clip| toy_fsdp_with(4, micro, clip, FsdpConfig { prefetch: false, ..FsdpConfig::default() });
+    for (micro, clip) in [(1, 0.0), (2, 0.015)] {
+        let a = toy_fsdp(4, micro, clip, true);
+        let b = inline(micro, clip);
+        assert_eq!(a.losses, b.losses, "micro {micro}: losses");
+        assert_eq!(a.norms, b.norms, "micro {micro}: grad norms");
+        assert_eq!(a.params, b.params, "micro {micro}: parameters");
+        assert!(b.prefetch.is_none());
+    }
+}
+
+#[test]
+fn only_the_first_gather_of_each_pass_is_exposed_once_the_order_is_known() {
+    // Toy: root + 3 blocks; the root is not resharded, so backward re-gathers 3 units.
+    let (units, regathers) = (4u64, 3u64);
+    let steps = STEPS as u64;
+    let s = toy_fsdp(4, 1, 0.0, true).prefetch.expect("prefetch is on by default");
+    // Step 0 records the orders (everything on demand); every later step prefetches all but
+    // the first gather of forward and of backward.
+    assert_eq!(s.forward_on_demand, units + (steps - 1), "{s:?}");
+    assert_eq!(s.forward_prefetched, (steps - 1) * (units - 1), "{s:?}");
+    assert_eq!(s.backward_on_demand, regathers + (steps - 1), "{s:?}");
+    assert_eq!(s.backward_prefetched, (steps - 1) * (regathers - 1), "{s:?}");
+    assert_eq!(s.async_reduce_scatters, steps * units, "{s:?}");
 }

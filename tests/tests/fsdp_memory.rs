@@ -106,10 +106,14 @@ fn measure(world: usize, reshard: bool) -> Measured {
     let at_entry = Mutex::new(Vec::new());
     let baseline = Mutex::new(0isize);
     let forward_peak = Mutex::new(0isize);
-    let sizes = launch(world, Duration::from_secs(60), |group| {
+    // The test's own barriers use a group of their own: the FSDP group's collectives run on
+    // each rank's communication thread, in an order the test must not interleave with.
+    let probes = burn_fsdp::LocalGroup::new_group(world, Duration::from_secs(60));
+    let sizes = launch(world, Duration::from_secs(60), |fsdp_group| {
+        let group = probes[fsdp_group.rank()].clone();
         let device = Default::default();
         let model = Qwen3::<FB>::from_weights(&config, weights.as_slice(), &device).unwrap();
-        let mesh = DeviceMesh::new_1d(group.clone(), device);
+        let mesh = DeviceMesh::new_1d(fsdp_group, device);
         let fsdp =
             Fsdp::wrap(model, &mesh, FsdpConfig { reshard_after_forward: reshard, ..FsdpConfig::default() })?;
         let ids = Tensor::<FB, 2, Int>::from_ints([[1, 2]], &device);

@@ -37,6 +37,9 @@ const NO_MPI: &str = "--launcher mpi: this xtask was built without MPI support; 
 /// `raw` is the command line after the program name (`train-qwen3 …`), passed on verbatim to
 /// every rank.
 pub fn train_entry(args: &TrainArgs, raw: &[String]) -> Result<()> {
+    if args.launcher == crate::train::Launcher::Env && std::env::var_os("RANK").is_none() {
+        return crate::env_launch::launch_local(args, raw);
+    }
     if args.launcher == crate::train::Launcher::Mpi && !launched_by_mpi() {
         let exe = std::env::current_exe().context("locating the xtask binary")?;
         let out_dir = args.out_dir.clone().unwrap_or_else(crate::train::default_run_dir);
@@ -61,7 +64,7 @@ pub fn train_entry(args: &TrainArgs, raw: &[String]) -> Result<()> {
         return Ok(());
     }
     if args.dry_run {
-        bail!("--dry-run prints the mpirun line of --launcher mpi; add --launcher mpi");
+        bail!("--dry-run prints the command lines of --launcher mpi or env; add one of them");
     }
     crate::train::run(args).map(|_| ())
 }

@@ -5,6 +5,7 @@ pub mod bench;
 pub mod conformance;
 pub mod consolidate;
 pub mod data;
+pub mod env_launch;
 pub mod generate;
 #[cfg(feature = "cuda-proxy")]
 pub mod gpu_bench;

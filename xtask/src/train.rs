@@ -126,12 +126,15 @@ pub struct TrainArgs {
     /// Print nothing but errors.
     #[arg(long)]
     pub quiet: bool,
-    /// How FSDP ranks are started: `local` (threads of this process) or `mpi` (one process
+    /// How FSDP ranks are started: `local` (threads of this process); `mpi` (one process
     /// per rank: runs `mpirun -n <world-size>` on this command, or, when already started by an
-    /// MPI launcher, acts as one rank). Needs xtask built with `--features mpi`.
+    /// MPI launcher, acts as one rank; needs xtask built with `--features mpi`); `env` (one
+    /// process per rank joined through RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT
+    /// over TCP: starts the ranks on this machine when those are unset, else acts as one).
     #[arg(long, value_enum, default_value_t = Launcher::Local)]
     pub launcher: Launcher,
-    /// With --launcher mpi: print the exact mpirun command line and exit.
+    /// With --launcher mpi: print the exact mpirun command line and exit; with --launcher
+    /// env: print each rank's command line (with its environment) and exit.
     #[arg(long)]
     pub dry_run: bool,
     /// The mpirun executable for --launcher mpi (default: $MPIRUN, else `mpirun`).
@@ -164,6 +167,64 @@ pub enum Launcher {
     Local,
     /// One process per rank, started by mpirun.
     Mpi,
+    /// One process per rank, joined through torchrun-style environment variables over TCP.
+    Env,
+}
+
+/// This process's place in a multi-process job.
+enum Job {
+    Mpi(crate::launch::MpiRank),
+    Env(crate::env_launch::EnvJob),
+}
+
+impl Job {
+    fn rank(&self) -> usize {
+        match self {
+            Job::Mpi(m) => m.rank(),
+            Job::Env(e) => e.rank(),
+        }
+    }
+
+    fn size(&self) -> usize {
+        match self {
+            Job::Mpi(m) => m.size(),
+            Job::Env(e) => e.size(),
+        }
+    }
+
+    fn abort(&self, reason: &str) {
+        match self {
+            Job::Mpi(m) => m.abort(reason),
+            Job::Env(e) => e.abort(reason),
+        }
+    }
+
+    fn check_consistent(&self, args: &TrainArgs, setup: &Setup) -> Result<()> {
+        match self {
+            Job::Mpi(m) => m.check_consistent(args, setup),
+            Job::Env(e) => e.check_consistent(args, setup),
+        }
+    }
+
+    fn train(
+        &self,
+        args: &TrainArgs,
+        setup: Setup,
+        sink: &MetricsSink,
+        precision: Precision,
+    ) -> Result<Vec<StepMetrics>> {
+        match self {
+            Job::Mpi(m) => m.train(args, setup, sink, precision),
+            Job::Env(e) => e.train(args, setup, sink, precision),
+        }
+    }
+
+    fn how(&self) -> &'static str {
+        match self {
+            Job::Mpi(_) => "MPI processes",
+            Job::Env(_) => "processes (env launcher, TCP)",
+        }
+    }
 }
 
 /// `--mixed-precision` values.
@@ -738,13 +799,14 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
         );
     }
     args.collective_timeout()?;
-    if args.dry_run && args.launcher != Launcher::Mpi {
-        bail!("--dry-run prints the mpirun line of --launcher mpi; add --launcher mpi");
+    if args.dry_run && args.launcher == Launcher::Local {
+        bail!("--dry-run prints the command lines of --launcher mpi or env; add one of them");
     }
-    // Under an MPI launcher this process is one rank: join the job first, so that the world
+    // Under a launcher this process is one rank: join the job first, so that the world
     // size comes from it and only rank 0 writes files and prints.
     let mpi = match args.launcher {
-        Launcher::Mpi => Some(crate::launch::MpiRank::join(args)?),
+        Launcher::Mpi => Some(Job::Mpi(crate::launch::MpiRank::join(args)?)),
+        Launcher::Env => Some(Job::Env(crate::env_launch::EnvJob::join(args)?)),
         Launcher::Local => None,
     };
     let owned;
@@ -785,7 +847,7 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
     let mode = if args.no_fsdp {
         "single device (no FSDP)".to_owned()
     } else {
-        let how = if mpi.is_some() { "MPI processes" } else { "in-process ranks" };
+        let how = mpi.as_ref().map(Job::how).unwrap_or("in-process ranks");
         match args.topology() {
             Topology::Flat(_) => format!("FSDP over {world} {how}"),
             Topology::DpTp { dp, tp } => {

@@ -1,0 +1,372 @@
+//! Overlap of communication with compute: a communication thread per rank, forward and
+//! backward prefetch of all-gathers, and reduce-scatters that run while backward goes on.
+//!
+//! Every FSDP collective of a rank (all-gathers, re-gathers, reduce-scatters) runs on the
+//! rank's [`CommWorker`] thread, in the order it was issued — the same order on every rank,
+//! as FSDP2's communication stream. The compute thread only waits for a result when it needs
+//! it:
+//!
+//! - **Forward prefetch.** When unit `i` is gathered, the gather of the unit that ran after
+//!   it in the previous forward is issued at once, so it moves while unit `i` computes.
+//! - **Backward prefetch.** When a resharded unit is re-gathered in backward, the re-gather
+//!   that followed it in the previous backward is issued at once.
+//! - **Asynchronous reduce-scatter.** A unit's backward hands its gradient to the worker and
+//!   returns; the reduced shard gradients are collected by
+//!   [`Fsdp::gradients`](crate::Fsdp::gradients), after the whole backward.
+//!
+//! The orders are recorded during the first step (which therefore prefetches nothing), so
+//! any model works without declaring its unit order; if a model runs its units in another
+//! order, a prefetched result is simply not used (every rank still issues the same
+//! collectives). Only the first all-gather of forward, the first re-gather of backward and
+//! the last reduce-scatter are exposed. [`PrefetchStats`] counts what was prefetched and how
+//! long the compute thread waited.
+
+use std::collections::HashMap;
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Instant;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Shape, Tensor, TensorPrimitive};
+
+use crate::collectives::{Phase, UnitComm};
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// A thread that runs one rank's collectives in the order they are issued.
+pub struct CommWorker {
+    tx: Mutex<Option<Sender<Job>>>,
+}
+
+impl std::fmt::Debug for CommWorker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CommWorker")
+    }
+}
+
+/// The result of a job on a [`CommWorker`].
+pub struct Pending<T>(Receiver<std::thread::Result<T>>);
+
+impl<T> Pending<T> {
+    /// Waits for the result; a panic of the job (a failed collective) continues here.
+    pub fn wait(self) -> T {
+        match self.0.recv() {
+            Ok(Ok(v)) => v,
+            Ok(Err(panic)) => resume_unwind(panic),
+            Err(_) => panic!("FSDP: the communication thread stopped"),
+        }
+    }
+}
+
+impl CommWorker {
+    /// Starts the thread.
+    pub fn new(name: &str) -> Self {
+        let (tx, rx) = channel::<Job>();
+        let spawned = std::thread::Builder::new().name(format!("fsdp-comm-{name}")).spawn(move || {
+            while let Ok(job) = rx.recv() {
+                job();
+            }
+        });
+        // Without a thread, jobs run inline (the sender is dropped and `submit` falls back).
+        Self { tx: Mutex::new(spawned.ok().map(|_| tx)) }
+    }
+
+    /// Queues `f`; its result (or panic) comes back through the [`Pending`].
+    pub fn submit<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> Pending<T> {
+        let (tx, rx) = channel();
+        let job: Job = Box::new(move || {
+            let _ = tx.send(catch_unwind(AssertUnwindSafe(f)));
+        });
+        let sender = self.tx.lock().unwrap_or_else(|p| p.into_inner());
+        match sender.as_ref() {
+            Some(s) => {
+                if let Err(returned) = s.send(job) {
+                    (returned.0)();
+                }
+            }
+            None => job(),
+        }
+        Pending(rx)
+    }
+
+    /// Waits until every job queued so far has run.
+    pub fn drain(&self) {
+        self.submit(|| ()).wait();
+    }
+}
+
+impl Drop for CommWorker {
+    fn drop(&mut self) {
+        // Closing the channel ends the thread after the queued jobs; it is not joined, so a
+        // collective stuck on a dead peer cannot hang the drop (it ends at its timeout).
+        self.tx.lock().unwrap_or_else(|p| p.into_inner()).take();
+    }
+}
+
+/// What overlap achieved, counted per rank since the wrap.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefetchStats {
+    /// Forward all-gathers whose result was prefetched.
+    pub forward_prefetched: u64,
+    /// Forward all-gathers issued on demand (exposed): one per forward once the order is known.
+    pub forward_on_demand: u64,
+    /// Backward re-gathers whose result was prefetched.
+    pub backward_prefetched: u64,
+    /// Backward re-gathers issued on demand (exposed): one per backward once the order is known.
+    pub backward_on_demand: u64,
+    /// Reduce-scatters that ran on the communication thread while backward went on.
+    pub async_reduce_scatters: u64,
+    /// Nanoseconds the compute thread spent waiting for communication results.
+    pub wait_nanos: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    forward_prefetched: AtomicU64,
+    forward_on_demand: AtomicU64,
+    backward_prefetched: AtomicU64,
+    backward_on_demand: AtomicU64,
+    async_reduce_scatters: AtomicU64,
+    wait_nanos: AtomicU64,
+}
+
+/// Which order a unit gather belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    Forward,
+    Backward,
+}
+
+struct State<B: Backend> {
+    /// Every unit's shard tensors (as the parameters hold them), saved at the last forward.
+    shards: Vec<Option<Vec<B::FloatTensorPrimitive>>>,
+    /// Unit orders of the previous forward and backward, and of the current ones.
+    order: [Vec<usize>; 2],
+    current: [Vec<usize>; 2],
+    /// Prefetched gathers, per pass and unit.
+    ready: [HashMap<usize, Pending<Tensor<B, 1>>>; 2],
+    /// Reduce-scatters in flight: unit and reduced shard gradient (`None` without sync).
+    reductions: Vec<(usize, Pending<Option<Tensor<B, 1>>>)>,
+}
+
+/// The overlap machinery of one [`Fsdp`](crate::Fsdp) on one rank.
+pub struct Prefetcher<B: Backend> {
+    worker: CommWorker,
+    comms: Mutex<Vec<Weak<UnitComm<B>>>>,
+    state: Mutex<State<B>>,
+    counters: Counters,
+}
+
+impl<B: Backend> std::fmt::Debug for Prefetcher<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Prefetcher")
+    }
+}
+
+fn flat<B: Backend>(pieces: Vec<B::FloatTensorPrimitive>) -> Tensor<B, 1> {
+    let mut pieces: Vec<Tensor<B, 1>> = pieces
+        .into_iter()
+        .map(|t| {
+            let n = burn::tensor::TensorMetadata::shape(&t).num_elements();
+            Tensor::from_primitive(TensorPrimitive::Float(B::float_reshape(t, Shape::new([n]))))
+        })
+        .collect();
+    if pieces.len() == 1 { pieces.remove(0) } else { Tensor::cat(pieces, 0) }
+}
+
+impl<B: Backend> Prefetcher<B> {
+    /// A prefetcher for `units` units, with its own communication thread.
+    pub fn new(units: usize, name: &str) -> Arc<Self> {
+        Arc::new(Self {
+            worker: CommWorker::new(name),
+            comms: Mutex::new(Vec::new()),
+            state: Mutex::new(State {
+                shards: (0..units).map(|_| None).collect(),
+                order: [Vec::new(), Vec::new()],
+                current: [Vec::new(), Vec::new()],
+                ready: [HashMap::new(), HashMap::new()],
+                reductions: Vec::new(),
+            }),
+            counters: Counters::default(),
+        })
+    }
+
+    /// Registers the units' communicators (index = unit index).
+    pub fn set_units(&self, comms: &[Arc<UnitComm<B>>]) {
+        *self.comms.lock().unwrap_or_else(|p| p.into_inner()) = comms.iter().map(Arc::downgrade).collect();
+    }
+
+    fn state(&self) -> MutexGuard<'_, State<B>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The counters so far.
+    pub fn stats(&self) -> PrefetchStats {
+        let c = &self.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        PrefetchStats {
+            forward_prefetched: l(&c.forward_prefetched),
+            forward_on_demand: l(&c.forward_on_demand),
+            backward_prefetched: l(&c.backward_prefetched),
+            backward_on_demand: l(&c.backward_on_demand),
+            async_reduce_scatters: l(&c.async_reduce_scatters),
+            wait_nanos: l(&c.wait_nanos),
+        }
+    }
+
+    fn timed_wait<T>(&self, p: Pending<T>) -> T {
+        let start = Instant::now();
+        let v = p.wait();
+        self.counters.wait_nanos.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        v
+    }
+
+    /// Waits until the communication thread is idle: before collectives issued from the
+    /// compute thread on the same groups, so that every rank issues them in the same order.
+    pub fn quiesce(&self) {
+        self.worker.drain();
+    }
+
+    /// Starts a forward: the previous forward's and backward's unit orders become the ones
+    /// to prefetch by, unused prefetches are dropped, and the shards of this forward are
+    /// saved for the backward prefetch.
+    pub fn begin_forward(&self, shards: Vec<Option<Vec<B::FloatTensorPrimitive>>>) {
+        self.quiesce();
+        let mut st = self.state();
+        for pass in 0..2 {
+            let current = std::mem::take(&mut st.current[pass]);
+            if !current.is_empty() {
+                st.order[pass] = current;
+            }
+            st.ready[pass].clear();
+        }
+        // Reductions nobody collected with `Fsdp::gradients` are dropped.
+        st.reductions.clear();
+        st.shards = shards;
+    }
+
+    fn issue(&self, st: &mut State<B>, pass: Pass, unit: usize) {
+        let p = pass as usize;
+        if st.ready[p].contains_key(&unit) {
+            return;
+        }
+        let Some(Some(shards)) = st.shards.get(unit).cloned() else { return };
+        let Some(comm) =
+            self.comms.lock().unwrap_or_else(|p| p.into_inner()).get(unit).and_then(Weak::upgrade)
+        else {
+            return;
+        };
+        let phase = if pass == Pass::Forward { Phase::ForwardGather } else { Phase::BackwardGather };
+        let pending = self.worker.submit(move || comm.gather(flat::<B>(shards), phase));
+        st.ready[p].insert(unit, pending);
+    }
+
+    /// The all-gathered flat buffer of `unit` in `pass`: the prefetched one, or gathered now
+    /// from `shard` (called only when needed). Then prefetches the unit that followed this
+    /// one in the previous pass.
+    fn gather(
+        &self,
+        pass: Pass,
+        unit: usize,
+        comm: &Arc<UnitComm<B>>,
+        shard: impl FnOnce() -> Tensor<B, 1>,
+    ) -> Tensor<B, 1> {
+        let p = pass as usize;
+        let (pending, prefetched) = {
+            let mut st = self.state();
+            st.current[p].push(unit);
+            let (pending, prefetched) = match st.ready[p].remove(&unit) {
+                Some(pending) => (pending, true),
+                None => {
+                    let comm = comm.clone();
+                    let shard = shard();
+                    let phase =
+                        if pass == Pass::Forward { Phase::ForwardGather } else { Phase::BackwardGather };
+                    (self.worker.submit(move || comm.gather(shard, phase)), false)
+                }
+            };
+            // The next unit of the recorded order, unless the orders diverged.
+            let pos = st.current[p].len() - 1;
+            let next = match st.order[p].get(pos) {
+                Some(&u) if u == unit => st.order[p].get(pos + 1).copied(),
+                _ => None,
+            };
+            if let Some(next) = next {
+                self.issue(&mut st, pass, next);
+            }
+            (pending, prefetched)
+        };
+        let counter = match (pass, prefetched) {
+            (Pass::Forward, true) => &self.counters.forward_prefetched,
+            (Pass::Forward, false) => &self.counters.forward_on_demand,
+            (Pass::Backward, true) => &self.counters.backward_prefetched,
+            (Pass::Backward, false) => &self.counters.backward_on_demand,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        self.timed_wait(pending)
+    }
+
+    /// The forward all-gather of `unit` (see the module docs).
+    pub fn forward_gather(
+        &self,
+        unit: usize,
+        comm: &Arc<UnitComm<B>>,
+        shard: impl FnOnce() -> Tensor<B, 1>,
+    ) -> Tensor<B, 1> {
+        self.gather(Pass::Forward, unit, comm, shard)
+    }
+
+    /// The backward re-gather of `unit` (see the module docs).
+    pub fn backward_gather(
+        &self,
+        unit: usize,
+        comm: &Arc<UnitComm<B>>,
+        shard: impl FnOnce() -> Tensor<B, 1>,
+    ) -> Tensor<B, 1> {
+        self.gather(Pass::Backward, unit, comm, shard)
+    }
+
+    /// Queues the reduce-scatter of `unit`'s full gradient, then, for offloaded units,
+    /// `deliver` with the reduced shard gradient on the communication thread.
+    pub fn reduce(
+        &self,
+        unit: usize,
+        comm: &Arc<UnitComm<B>>,
+        full_grad: Tensor<B, 1>,
+        deliver: Option<Box<dyn FnOnce(Tensor<B, 1>) + Send>>,
+    ) {
+        let comm = comm.clone();
+        let sync = comm.sync.load(Ordering::SeqCst);
+        let pending = self.worker.submit(move || {
+            let g = comm.reduce_with(full_grad, sync);
+            match (deliver, g) {
+                (Some(deliver), Some(g)) => {
+                    deliver(g);
+                    None
+                }
+                (_, g) => g,
+            }
+        });
+        self.counters.async_reduce_scatters.fetch_add(1, Ordering::Relaxed);
+        self.state().reductions.push((unit, pending));
+    }
+
+    /// The reduce-scatter of `unit`'s full gradient, waited for (after everything queued
+    /// before it).
+    pub fn reduce_blocking(&self, comm: &Arc<UnitComm<B>>, full_grad: Tensor<B, 1>) -> Option<Tensor<B, 1>> {
+        let comm = comm.clone();
+        let sync = comm.sync.load(Ordering::SeqCst);
+        self.timed_wait(self.worker.submit(move || comm.reduce_with(full_grad, sync)))
+    }
+
+    /// Waits for every reduce-scatter in flight and returns the reduced shard gradients by
+    /// unit (units without sync or offloaded ones have none).
+    pub fn finish_reductions(&self) -> Vec<(usize, Tensor<B, 1>)> {
+        let pending = std::mem::take(&mut self.state().reductions);
+        let out = pending.into_iter().filter_map(|(u, p)| self.timed_wait(p).map(|g| (u, g))).collect();
+        self.quiesce();
+        out
+    }
+}

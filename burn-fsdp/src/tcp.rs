@@ -1,0 +1,1317 @@
+//! Ranks in separate processes or on separate machines, joined through the launcher's
+//! environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`: the
+//! variables `torchrun` sets) and connected over TCP.
+//!
+//! [`EnvRank::from_env`] reads the variables; [`TcpGroup::connect`] joins the job: rank 0
+//! listens on `MASTER_ADDR:MASTER_PORT`, every other rank connects to it, and rank 0 refuses
+//! a rank started with another `WORLD_SIZE` (or a duplicate `RANK`) with an error that names
+//! both values. The connection then serves two purposes:
+//!
+//! - the out-of-band exchange device communicators need before they exist (NCCL's and MCCL's
+//!   128-byte unique id): [`TcpGroup::broadcast_bytes`];
+//! - a [`ProcessGroup`] on host buffers of any backend, like gloo in PyTorch: every
+//!   collective goes through a hub thread in rank 0's process, which checks that all ranks
+//!   issued the same collective (kind, tag, dtype, length) and reduces in rank order with the
+//!   same loop as [`LocalGroup`](crate::local::LocalGroup) and `MpiGroup` — so the three are
+//!   bit-identical. It is simple rather than fast (rank 0 relays every byte); use MPI or a
+//!   device communicator for bandwidth.
+//!
+//! Failures: a rank whose process dies closes its connection, and rank 0 then fails every
+//! pending and later collective of every rank with [`CommError::PeerFailed`] naming it; if
+//! rank 0 dies, the others see their connection close. A collective that gets no answer
+//! within the timeout returns [`CommError::Stalled`]. [`ProcessGroup::abort`] fails the job
+//! for everybody at once.
+//!
+//! # Example
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use burn_fsdp::tcp::{EnvRank, TcpGroup};
+//!
+//! // Started as `RANK=1 WORLD_SIZE=4 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 my-trainer`.
+//! let env = EnvRank::from_env().unwrap().expect("not started by an env launcher");
+//! let world = TcpGroup::connect(&env, Duration::from_secs(60)).unwrap();
+//! // e.g. NCCL's unique id, made by rank 0 and sent to everybody:
+//! let id = world.broadcast_bytes(0, (env.rank == 0).then(|| vec![7u8; 128])).unwrap();
+//! assert_eq!(id.len(), 128);
+//! ```
+
+use std::collections::HashMap;
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Tensor};
+
+use crate::comm::{CollectiveKind, CommCounters, CommError, CommStats, ProcessGroup, ReduceOp, Tag};
+use crate::host::{from_bytes, reduce_bytes, to_bytes};
+
+/// `MASTER_PORT` when the variable is not set (as torchrun).
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+/// An invalid or incomplete launcher environment; the message names the variable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct EnvError(pub String);
+
+/// This process's place in a job, from the launcher's environment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EnvRank {
+    /// `RANK`: this process's rank in the job.
+    pub rank: usize,
+    /// `WORLD_SIZE`: the number of processes.
+    pub world_size: usize,
+    /// `LOCAL_RANK`: the rank on this machine, which picks the device (default: `RANK`).
+    pub local_rank: usize,
+    /// `MASTER_ADDR`: where rank 0 listens (default `127.0.0.1`).
+    pub master_addr: String,
+    /// `MASTER_PORT` (default [`DEFAULT_MASTER_PORT`]).
+    pub master_port: u16,
+}
+
+impl EnvRank {
+    /// Reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT`.
+    ///
+    /// `Ok(None)` when neither `RANK` nor `WORLD_SIZE` is set (not started by such a
+    /// launcher); an error naming the variable when one is missing or malformed.
+    pub fn from_env() -> Result<Option<Self>, EnvError> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// [`from_env`](Self::from_env) over any variable lookup (for tests and embedding).
+    pub fn from_lookup(var: impl Fn(&str) -> Option<String>) -> Result<Option<Self>, EnvError> {
+        let (rank, world) = match (var("RANK"), var("WORLD_SIZE")) {
+            (None, None) => return Ok(None),
+            (Some(_), None) => return Err(EnvError("RANK is set but WORLD_SIZE is not".into())),
+            (None, Some(_)) => return Err(EnvError("WORLD_SIZE is set but RANK is not".into())),
+            (Some(r), Some(w)) => (r, w),
+        };
+        let num = |name: &str, v: &str| -> Result<usize, EnvError> {
+            v.trim()
+                .parse::<usize>()
+                .map_err(|_| EnvError(format!("{name}={v:?} is not a non-negative integer")))
+        };
+        let rank = num("RANK", &rank)?;
+        let world_size = num("WORLD_SIZE", &world)?;
+        if world_size == 0 {
+            return Err(EnvError("WORLD_SIZE=0: a job needs at least one rank".into()));
+        }
+        if rank >= world_size {
+            return Err(EnvError(format!("RANK={rank} is not below WORLD_SIZE={world_size}")));
+        }
+        let local_rank = match var("LOCAL_RANK") {
+            Some(v) => num("LOCAL_RANK", &v)?,
+            None => rank,
+        };
+        let master_addr = var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".to_owned());
+        let master_port = match var("MASTER_PORT") {
+            Some(v) => v
+                .trim()
+                .parse::<u16>()
+                .map_err(|_| EnvError(format!("MASTER_PORT={v:?} is not a port number")))?,
+            None => DEFAULT_MASTER_PORT,
+        };
+        Ok(Some(Self { rank, world_size, local_rank, master_addr, master_port }))
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Wire format: frames of `u64 length` + body; bodies start with a message code.
+
+const HELLO: u8 = 1;
+const WELCOME: u8 = 2;
+const REFUSED: u8 = 3;
+const REQUEST: u8 = 4;
+const RESPONSE: u8 = 5;
+const FAILED: u8 = 6;
+const ABORT: u8 = 7;
+const BYE: u8 = 8;
+const MAGIC: &[u8; 8] = b"bfsdp-t1";
+
+/// The byte exchange used by `split` and `broadcast_bytes` (not a counted collective).
+const EXCHANGE: u8 = 100;
+
+#[derive(Default)]
+struct Enc(Vec<u8>);
+
+impl Enc {
+    fn u8(mut self, v: u8) -> Self {
+        self.0.push(v);
+        self
+    }
+    fn u64(mut self, v: u64) -> Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    fn bytes(self, b: &[u8]) -> Self {
+        let mut s = self.u64(b.len() as u64);
+        s.0.extend_from_slice(b);
+        s
+    }
+}
+
+struct Dec<'a>(&'a [u8]);
+
+impl<'a> Dec<'a> {
+    fn u8(&mut self) -> Result<u8, String> {
+        let (&v, rest) = self.0.split_first().ok_or("truncated message")?;
+        self.0 = rest;
+        Ok(v)
+    }
+    fn u64(&mut self) -> Result<u64, String> {
+        if self.0.len() < 8 {
+            return Err("truncated message".into());
+        }
+        let (v, rest) = self.0.split_at(8);
+        self.0 = rest;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(v);
+        Ok(u64::from_le_bytes(a))
+    }
+    fn bytes(&mut self) -> Result<&'a [u8], String> {
+        let n = usize::try_from(self.u64()?).map_err(|_| "length overflow")?;
+        if self.0.len() < n {
+            return Err("truncated message".into());
+        }
+        let (v, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Ok(v)
+    }
+    fn string(&mut self) -> Result<String, String> {
+        Ok(String::from_utf8_lossy(self.bytes()?).into_owned())
+    }
+}
+
+fn write_frame(w: &mut impl Write, body: &[u8]) -> std::io::Result<()> {
+    w.write_all(&(body.len() as u64).to_le_bytes())?;
+    w.write_all(body)?;
+    w.flush()
+}
+
+fn read_frame(r: &mut impl Read) -> std::io::Result<Vec<u8>> {
+    let mut len = [0u8; 8];
+    r.read_exact(&mut len)?;
+    let len = u64::from_le_bytes(len);
+    let len = usize::try_from(len)
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "frame too large"))?;
+    let mut body = vec![0u8; len];
+    r.read_exact(&mut body)?;
+    Ok(body)
+}
+
+/// One collective call as the hub sees it.
+#[derive(Debug, Clone)]
+struct Request {
+    gid: u64,
+    seq: u64,
+    members: Vec<usize>,
+    kind: u8,
+    tag: String,
+    dtype: u8,
+    elems: u64,
+    extra: u64,
+    data: Vec<u8>,
+}
+
+impl Request {
+    fn encode(&self) -> Vec<u8> {
+        let mut e = Enc::default().u8(REQUEST).u64(self.gid).u64(self.seq).u64(self.members.len() as u64);
+        for m in &self.members {
+            e = e.u64(*m as u64);
+        }
+        e.u8(self.kind)
+            .bytes(self.tag.as_bytes())
+            .u8(self.dtype)
+            .u64(self.elems)
+            .u64(self.extra)
+            .bytes(&self.data)
+            .0
+    }
+
+    fn decode(d: &mut Dec<'_>) -> Result<Self, String> {
+        let gid = d.u64()?;
+        let seq = d.u64()?;
+        let n = d.u64()? as usize;
+        let members = (0..n).map(|_| d.u64().map(|v| v as usize)).collect::<Result<_, _>>()?;
+        Ok(Self {
+            gid,
+            seq,
+            members,
+            kind: d.u8()?,
+            tag: d.string()?,
+            dtype: d.u8()?,
+            elems: d.u64()?,
+            extra: d.u64()?,
+            data: d.bytes()?.to_vec(),
+        })
+    }
+
+    fn describe(&self) -> String {
+        let kind = kind_from_code(self.kind).map(|k| k.name()).unwrap_or("exchange");
+        format!("{kind} `{}` ({} elements, dtype #{}, arg {})", self.tag, self.elems, self.dtype, self.extra)
+    }
+}
+
+fn kind_from_code(c: u8) -> Option<CollectiveKind> {
+    CollectiveKind::ALL.iter().copied().find(|k| k.index() as u8 == c)
+}
+
+fn dtype_code(d: DType) -> Option<u8> {
+    Some(match d {
+        DType::F32 => 0,
+        DType::F64 => 1,
+        DType::BF16 => 2,
+        DType::F16 => 3,
+        _ => return None,
+    })
+}
+
+fn dtype_of(c: u8) -> Option<DType> {
+    Some(match c {
+        0 => DType::F32,
+        1 => DType::F64,
+        2 => DType::BF16,
+        3 => DType::F16,
+        _ => return None,
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// The hub: runs in rank 0's process, matches requests, computes and sends the results.
+
+enum ToHub {
+    Frame(usize, Vec<u8>),
+    Closed(usize),
+}
+
+/// Where the hub sends a rank's messages.
+enum Outlet {
+    Remote(BufWriter<TcpStream>),
+    /// Rank 0's hub to rank 0's link.
+    Local(Sender<Vec<u8>>),
+    /// Rank 0's link to its hub.
+    Hub(Sender<ToHub>),
+}
+
+impl Outlet {
+    fn send(&mut self, body: &[u8]) -> bool {
+        match self {
+            Outlet::Remote(w) => write_frame(w, body).is_ok(),
+            Outlet::Local(tx) => tx.send(body.to_vec()).is_ok(),
+            Outlet::Hub(tx) => tx.send(ToHub::Frame(0, body.to_vec())).is_ok(),
+        }
+    }
+}
+
+struct Hub {
+    outlets: Vec<Outlet>,
+    rounds: HashMap<(u64, u64), Vec<Option<Request>>>,
+    failed: Option<Vec<u8>>,
+    left: Vec<bool>,
+}
+
+fn failed_frame(rank: usize, reason: &str) -> Vec<u8> {
+    Enc::default().u8(FAILED).u64(rank as u64).bytes(reason.as_bytes()).0
+}
+
+impl Hub {
+    fn run(mut self, rx: Receiver<ToHub>) {
+        while let Ok(msg) = rx.recv() {
+            match msg {
+                ToHub::Frame(rank, body) => self.on_frame(rank, &body),
+                ToHub::Closed(rank) => {
+                    if !self.left[rank] {
+                        self.left[rank] = true;
+                        self.fail(
+                            rank,
+                            &format!(
+                                "rank {rank} lost its connection to rank 0 (its process died or was killed)"
+                            ),
+                        );
+                    }
+                }
+            }
+            if self.left.iter().all(|l| *l) {
+                return;
+            }
+        }
+    }
+
+    fn fail(&mut self, rank: usize, reason: &str) {
+        if self.failed.is_some() {
+            return;
+        }
+        let frame = failed_frame(rank, reason);
+        for (r, out) in self.outlets.iter_mut().enumerate() {
+            if !self.left[r] {
+                out.send(&frame);
+            }
+        }
+        self.rounds.clear();
+        self.failed = Some(frame);
+    }
+
+    fn on_frame(&mut self, rank: usize, body: &[u8]) {
+        let mut d = Dec(body);
+        match d.u8() {
+            Ok(BYE) => self.left[rank] = true,
+            Ok(ABORT) => {
+                let reason = d.string().unwrap_or_default();
+                self.fail(rank, &reason);
+            }
+            Ok(REQUEST) => match Request::decode(&mut d) {
+                Ok(req) => self.on_request(rank, req),
+                Err(e) => self.fail(rank, &format!("rank {rank} sent a malformed request: {e}")),
+            },
+            _ => self.fail(rank, &format!("rank {rank} sent an unknown message")),
+        }
+    }
+
+    fn on_request(&mut self, rank: usize, req: Request) {
+        if let Some(frame) = &self.failed {
+            let frame = frame.clone();
+            self.outlets[rank].send(&frame);
+            return;
+        }
+        let Some(pos) = req.members.iter().position(|m| *m == rank) else {
+            return self
+                .fail(rank, &format!("rank {rank} issued {} in a group it is not in", req.describe()));
+        };
+        let key = (req.gid, req.seq);
+        let slots = self.rounds.entry(key).or_insert_with(|| vec![None; req.members.len()]);
+        if let Some(first) = slots.iter().flatten().next() {
+            let same = first.kind == req.kind
+                && first.tag == req.tag
+                && first.dtype == req.dtype
+                && first.elems == req.elems
+                && first.extra == req.extra
+                && first.members == req.members;
+            if !same {
+                let first_rank = first.members[slots.iter().position(|s| s.is_some()).unwrap_or(0)];
+                let msg = format!(
+                    "collective mismatch at call #{} of the group: rank {rank} issued {}, rank {first_rank} issued {}",
+                    req.seq,
+                    req.describe(),
+                    first.describe()
+                );
+                return self.fail(rank, &msg);
+            }
+        }
+        if pos >= slots.len() || slots[pos].is_some() {
+            return self.fail(rank, &format!("rank {rank} issued call #{} twice", req.seq));
+        }
+        slots[pos] = Some(req);
+        if slots.iter().all(|s| s.is_some()) {
+            let reqs: Vec<Request> = self.rounds.remove(&key).into_iter().flatten().flatten().collect();
+            match complete(&reqs) {
+                Ok(results) => {
+                    for (i, (req, data)) in reqs.iter().zip(results).enumerate() {
+                        let r = req.members[i];
+                        let frame = Enc::default().u8(RESPONSE).u64(req.gid).u64(req.seq).bytes(&data).0;
+                        self.outlets[r].send(&frame);
+                    }
+                }
+                Err(msg) => self.fail(reqs[0].members[0], &msg),
+            }
+        }
+    }
+}
+
+/// The per-member results of a complete round (requests in member order).
+fn complete(reqs: &[Request]) -> Result<Vec<Vec<u8>>, String> {
+    let w = reqs.len();
+    let first = &reqs[0];
+    let same = |v: Vec<u8>| vec![v; w];
+    if first.kind == EXCHANGE {
+        let mut all = Enc::default();
+        for r in reqs {
+            all = all.bytes(&r.data);
+        }
+        return Ok(same(all.0));
+    }
+    let kind = kind_from_code(first.kind).ok_or("unknown collective")?;
+    if let Some(r) = reqs.iter().position(|r| r.data.len() != first.data.len()) {
+        return Err(format!(
+            "{} `{}`: rank {} contributed {} bytes, rank {} {}",
+            kind,
+            first.tag,
+            reqs[r].members[r],
+            reqs[r].data.len(),
+            first.members[0],
+            first.data.len()
+        ));
+    }
+    let reduce = |parts: Vec<&[u8]>| -> Result<Vec<u8>, String> {
+        let dtype = dtype_of(first.dtype).ok_or("unknown dtype")?;
+        let op = match first.extra {
+            0 => ReduceOp::Sum,
+            1 => ReduceOp::Avg,
+            _ => ReduceOp::Max,
+        };
+        reduce_bytes(&parts, dtype, op).map_err(|e| format!("{kind} `{}`: {e}", first.tag))
+    };
+    Ok(match kind {
+        CollectiveKind::AllGather => same(reqs.iter().flat_map(|r| r.data.iter().copied()).collect()),
+        CollectiveKind::AllReduce => same(reduce(reqs.iter().map(|r| r.data.as_slice()).collect())?),
+        CollectiveKind::ReduceScatter => {
+            let chunk = first.data.len() / w;
+            (0..w)
+                .map(|k| reduce(reqs.iter().map(|r| &r.data[k * chunk..(k + 1) * chunk]).collect()))
+                .collect::<Result<_, _>>()?
+        }
+        CollectiveKind::Broadcast => {
+            let root = first.extra as usize;
+            same(reqs.get(root).ok_or("broadcast root outside the group")?.data.clone())
+        }
+        CollectiveKind::Barrier => same(Vec::new()),
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// The link: this process's connection to the hub, shared by all its groups.
+
+#[derive(Default)]
+struct Inbox {
+    responses: HashMap<(u64, u64), Vec<u8>>,
+    failed: Option<(usize, String)>,
+    closed: bool,
+}
+
+struct Link {
+    out: Mutex<Outlet>,
+    inbox: Mutex<Inbox>,
+    cv: Condvar,
+    hub: Mutex<Option<JoinHandle<()>>>,
+    timeout: Duration,
+}
+
+impl Link {
+    fn inbox(&self) -> MutexGuard<'_, Inbox> {
+        self.inbox.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn send(&self, body: &[u8]) -> bool {
+        self.out.lock().unwrap_or_else(|p| p.into_inner()).send(body)
+    }
+
+    /// Files a message from the hub.
+    fn deliver(&self, body: &[u8]) {
+        let mut d = Dec(body);
+        let mut inbox = self.inbox();
+        match d.u8() {
+            Ok(RESPONSE) => {
+                if let (Ok(gid), Ok(seq), Ok(data)) = (d.u64(), d.u64(), d.bytes()) {
+                    inbox.responses.insert((gid, seq), data.to_vec());
+                }
+            }
+            Ok(FAILED) => {
+                let rank = d.u64().unwrap_or(0) as usize;
+                let reason = d.string().unwrap_or_default();
+                inbox.failed.get_or_insert((rank, reason));
+            }
+            _ => {
+                inbox.failed.get_or_insert((0, "rank 0 sent an unknown message".into()));
+            }
+        }
+        self.cv.notify_all();
+    }
+
+    fn hub_lost(&self) {
+        let mut inbox = self.inbox();
+        if !inbox.closed {
+            inbox.failed.get_or_insert((
+                0,
+                "the connection to rank 0 was lost (its process died or was killed)".into(),
+            ));
+        }
+        self.cv.notify_all();
+    }
+
+    /// Waits for the response to `(gid, seq)`.
+    fn wait(
+        &self,
+        key: (u64, u64),
+        kind: CollectiveKind,
+        tag: &Tag,
+        rank: usize,
+    ) -> Result<Vec<u8>, CommError> {
+        let deadline = Instant::now() + self.timeout;
+        let mut inbox = self.inbox();
+        loop {
+            if let Some(data) = inbox.responses.remove(&key) {
+                return Ok(data);
+            }
+            if let Some((failed_rank, reason)) = &inbox.failed {
+                return Err(CommError::PeerFailed {
+                    kind,
+                    tag: tag.clone(),
+                    rank,
+                    failed_rank: *failed_rank,
+                    reason: reason.clone(),
+                });
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(CommError::Stalled { kind, tag: tag.clone(), rank, timeout: self.timeout });
+            }
+            inbox = self.cv.wait_timeout(inbox, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        self.inbox().closed = true;
+        self.send(&[BYE]);
+        if let Some(hub) = self.hub.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            // Rank 0 serves the others' last collectives (sub-groups without rank 0 too):
+            // wait until everybody left, but not forever.
+            let deadline = Instant::now() + self.timeout;
+            while !hub.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        if let Outlet::Remote(w) = &*self.out.lock().unwrap_or_else(|p| p.into_inner()) {
+            let _ = w.get_ref().shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Start-up.
+
+fn io_err(what: &str, e: impl std::fmt::Display) -> CommError {
+    CommError::BadInput {
+        kind: CollectiveKind::Barrier,
+        tag: Tag::new("connect"),
+        rank: 0,
+        msg: format!("{what}: {e}"),
+    }
+}
+
+fn start_error(rank: usize, msg: String) -> CommError {
+    CommError::BadInput { kind: CollectiveKind::Barrier, tag: Tag::new("connect"), rank, msg }
+}
+
+fn resolve(env: &EnvRank) -> Result<Vec<std::net::SocketAddr>, CommError> {
+    let addrs: Vec<_> = (env.master_addr.as_str(), env.master_port)
+        .to_socket_addrs()
+        .map_err(|e| start_error(env.rank, format!("MASTER_ADDR={}: {e}", env.master_addr)))?
+        .collect();
+    if addrs.is_empty() {
+        return Err(start_error(env.rank, format!("MASTER_ADDR={} resolves to no address", env.master_addr)));
+    }
+    Ok(addrs)
+}
+
+fn reader_thread(
+    mut stream: BufReader<TcpStream>,
+    on_frame: impl Fn(Vec<u8>) + Send + 'static,
+    on_close: impl FnOnce() + Send + 'static,
+) -> JoinHandle<()> {
+    std::thread::Builder::new()
+        .name("fsdp-tcp-reader".into())
+        .spawn(move || {
+            while let Ok(frame) = read_frame(&mut stream) {
+                on_frame(frame);
+            }
+            on_close();
+        })
+        .unwrap_or_else(|e| panic!("cannot start a thread: {e}"))
+}
+
+/// Rank 0: accepts the other ranks, checks their hellos and starts the hub.
+fn serve(env: &EnvRank, timeout: Duration) -> Result<Arc<Link>, CommError> {
+    let addrs = resolve(env)?;
+    let listener = TcpListener::bind(&addrs[..]).map_err(|e| {
+        start_error(
+            0,
+            format!(
+                "rank 0 cannot listen on MASTER_ADDR:MASTER_PORT = {}:{}: {e}",
+                env.master_addr, env.master_port
+            ),
+        )
+    })?;
+    listener.set_nonblocking(true).map_err(|e| io_err("listener", e))?;
+    let deadline = Instant::now() + timeout;
+    let mut peers: Vec<Option<TcpStream>> = (0..env.world_size).map(|_| None).collect();
+    let mut refusals = Vec::new();
+    while peers.iter().skip(1).any(Option::is_none) {
+        if Instant::now() >= deadline {
+            let missing: Vec<usize> = (1..env.world_size).filter(|r| peers[*r].is_none()).collect();
+            let mut msg = format!(
+                "rank 0: rank(s) {missing:?} did not connect to {}:{} within {timeout:?}",
+                env.master_addr, env.master_port
+            );
+            for r in &refusals {
+                msg.push_str(&format!("; {r}"));
+            }
+            return Err(start_error(0, msg));
+        }
+        let (mut stream, _) = match listener.accept() {
+            Ok(s) => s,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+            Err(e) => return Err(io_err("accepting a rank", e)),
+        };
+        let _ = stream.set_nonblocking(false);
+        let _ = stream.set_nodelay(true);
+        let _ = stream.set_read_timeout(Some(timeout));
+        let Ok(hello) = read_frame(&mut stream) else { continue };
+        let mut d = Dec(&hello);
+        let ok = d.u8() == Ok(HELLO) && d.bytes().ok() == Some(&MAGIC[..]);
+        let (rank, world) = (d.u64().unwrap_or(u64::MAX) as usize, d.u64().unwrap_or(0) as usize);
+        let refusal = if !ok {
+            Some("a process that is not a burn-fsdp rank connected to MASTER_PORT".to_owned())
+        } else if world != env.world_size {
+            Some(format!(
+                "rank {rank} was started with WORLD_SIZE={world} but rank 0 with WORLD_SIZE={}",
+                env.world_size
+            ))
+        } else if rank == 0 || rank >= env.world_size || peers[rank].is_some() {
+            Some(format!("a second process claims RANK={rank}; every rank must be started once"))
+        } else {
+            None
+        };
+        match refusal {
+            Some(msg) => {
+                let _ = write_frame(&mut stream, &Enc::default().u8(REFUSED).bytes(msg.as_bytes()).0);
+                if world != env.world_size && ok {
+                    return Err(start_error(0, msg));
+                }
+                refusals.push(msg);
+            }
+            None => peers[rank] = Some(stream),
+        }
+    }
+    let (hub_tx, hub_rx) = channel::<ToHub>();
+    let (own_tx, own_rx) = channel::<Vec<u8>>();
+    let mut outlets = vec![Outlet::Local(own_tx)];
+    for (rank, stream) in peers.into_iter().enumerate().skip(1) {
+        let Some(stream) = stream else { continue };
+        let mut w = BufWriter::new(stream.try_clone().map_err(|e| io_err("socket", e))?);
+        write_frame(&mut w, &[WELCOME]).map_err(|e| io_err(&format!("greeting rank {rank}"), e))?;
+        let _ = stream.set_read_timeout(None);
+        outlets.push(Outlet::Remote(w));
+        let (tx, tx2) = (hub_tx.clone(), hub_tx.clone());
+        // Detached: it ends when the peer closes its connection.
+        drop(reader_thread(
+            BufReader::new(stream),
+            move |f| {
+                let _ = tx.send(ToHub::Frame(rank, f));
+            },
+            move || {
+                let _ = tx2.send(ToHub::Closed(rank));
+            },
+        ));
+    }
+    let hub = Hub { outlets, rounds: HashMap::new(), failed: None, left: vec![false; env.world_size] };
+    let hub = std::thread::Builder::new()
+        .name("fsdp-tcp-hub".into())
+        .spawn(move || hub.run(hub_rx))
+        .map_err(|e| io_err("starting the hub thread", e))?;
+    // Rank 0's own requests enter the hub's queue directly; the hub's answers come back on
+    // `own_rx`, which a small thread files like a socket reader would.
+    let link = Arc::new(Link {
+        out: Mutex::new(Outlet::Hub(hub_tx)),
+        inbox: Mutex::default(),
+        cv: Condvar::new(),
+        hub: Mutex::new(Some(hub)),
+        timeout,
+    });
+    let weak = Arc::downgrade(&link);
+    std::thread::Builder::new()
+        .name("fsdp-tcp-inbox".into())
+        .spawn(move || {
+            while let Ok(f) = own_rx.recv() {
+                match weak.upgrade() {
+                    Some(link) => link.deliver(&f),
+                    None => break,
+                }
+            }
+        })
+        .map_err(|e| io_err("starting a thread", e))?;
+    Ok(link)
+}
+
+/// Ranks ≥ 1: connects to rank 0 (retrying until it listens) and says hello.
+fn join(env: &EnvRank, timeout: Duration) -> Result<Arc<Link>, CommError> {
+    let addrs = resolve(env)?;
+    let deadline = Instant::now() + timeout;
+    let mut stream = loop {
+        match TcpStream::connect(&addrs[..]) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() >= deadline => {
+                return Err(start_error(
+                    env.rank,
+                    format!(
+                        "rank {} could not reach rank 0 at MASTER_ADDR:MASTER_PORT = {}:{} within {timeout:?}: {e}",
+                        env.rank, env.master_addr, env.master_port
+                    ),
+                ));
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    };
+    let _ = stream.set_nodelay(true);
+    let hello = Enc::default().u8(HELLO).bytes(MAGIC).u64(env.rank as u64).u64(env.world_size as u64).0;
+    write_frame(&mut stream, &hello).map_err(|e| io_err("saying hello to rank 0", e))?;
+    let _ = stream.set_read_timeout(Some(timeout));
+    let answer = read_frame(&mut stream)
+        .map_err(|e| start_error(env.rank, format!("rank {}: no answer from rank 0: {e}", env.rank)))?;
+    let mut d = Dec(&answer);
+    match d.u8() {
+        Ok(WELCOME) => {}
+        Ok(REFUSED) => {
+            let msg = d.string().unwrap_or_default();
+            return Err(start_error(env.rank, format!("rank 0 refused rank {}: {msg}", env.rank)));
+        }
+        _ => return Err(start_error(env.rank, "rank 0 sent an unknown answer".into())),
+    }
+    let _ = stream.set_read_timeout(None);
+    let writer = BufWriter::new(stream.try_clone().map_err(|e| io_err("socket", e))?);
+    let link = Arc::new(Link {
+        out: Mutex::new(Outlet::Remote(writer)),
+        inbox: Mutex::default(),
+        cv: Condvar::new(),
+        hub: Mutex::new(None),
+        timeout,
+    });
+    let (w1, w2) = (Arc::downgrade(&link), Arc::downgrade(&link));
+    let reader = reader_thread(
+        BufReader::new(stream),
+        move |f| {
+            if let Some(l) = w1.upgrade() {
+                l.deliver(&f)
+            }
+        },
+        move || {
+            if let Some(l) = w2.upgrade() {
+                l.hub_lost()
+            }
+        },
+    );
+    // The reader ends when the link shuts the socket down on drop; it is not joined there
+    // (it may hold the last reference for a moment), so detach it.
+    drop(reader);
+    Ok(link)
+}
+
+// ---------------------------------------------------------------------------------------
+// The group.
+
+/// One rank's handle on a group of processes connected over TCP (see the [module
+/// docs](self)).
+pub struct TcpGroup {
+    link: Arc<Link>,
+    /// Global ranks of the members, in group-rank order.
+    members: Vec<usize>,
+    rank: usize,
+    gid: u64,
+    seq: Mutex<u64>,
+    splits: AtomicU64,
+    counters: CommCounters,
+}
+
+impl std::fmt::Debug for TcpGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpGroup").field("rank", &self.rank).field("members", &self.members).finish()
+    }
+}
+
+fn fnv(parts: &[u64]) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for p in parts {
+        for b in p.to_le_bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}
+
+impl TcpGroup {
+    /// Joins the job described by `env` as its world group. Returns once every rank has
+    /// connected; errors (on every rank) when a rank was started with another `WORLD_SIZE`,
+    /// or when rank 0 cannot be reached or not every rank arrives within `timeout`.
+    /// `timeout` is also the collective timeout.
+    pub fn connect(env: &EnvRank, timeout: Duration) -> Result<Arc<Self>, CommError> {
+        let link = if env.world_size == 1 {
+            // Nobody to talk to: a link that never sends.
+            let (tx, _rx) = channel();
+            Arc::new(Link {
+                out: Mutex::new(Outlet::Local(tx)),
+                inbox: Mutex::default(),
+                cv: Condvar::new(),
+                hub: Mutex::new(None),
+                timeout,
+            })
+        } else if env.rank == 0 {
+            serve(env, timeout)?
+        } else {
+            join(env, timeout)?
+        };
+        Ok(Arc::new(Self::with(link, (0..env.world_size).collect(), env.rank, 0)))
+    }
+
+    fn with(link: Arc<Link>, members: Vec<usize>, rank: usize, gid: u64) -> Self {
+        Self {
+            link,
+            members,
+            rank,
+            gid,
+            seq: Mutex::new(0),
+            splits: AtomicU64::new(0),
+            counters: CommCounters::default(),
+        }
+    }
+
+    /// The collective timeout.
+    pub fn timeout(&self) -> Duration {
+        self.link.timeout
+    }
+
+    fn next_seq(&self) -> u64 {
+        let mut s = self.seq.lock().unwrap_or_else(|p| p.into_inner());
+        *s += 1;
+        *s
+    }
+
+    fn call(
+        &self,
+        kind: u8,
+        ckind: CollectiveKind,
+        tag: &Tag,
+        dtype: u8,
+        elems: u64,
+        extra: u64,
+        data: Vec<u8>,
+    ) -> Result<Vec<u8>, CommError> {
+        let seq = self.next_seq();
+        let req = Request {
+            gid: self.gid,
+            seq,
+            members: self.members.clone(),
+            kind,
+            tag: tag.0.clone(),
+            dtype,
+            elems,
+            extra,
+            data,
+        };
+        if !self.link.send(&req.encode()) {
+            self.link.hub_lost();
+        }
+        self.link.wait((self.gid, seq), ckind, tag, self.rank)
+    }
+
+    /// Every member's `data`, in group-rank order (any lengths).
+    fn exchange(&self, data: &[u8], tag: &Tag) -> Result<Vec<Vec<u8>>, CommError> {
+        if self.members.len() == 1 {
+            return Ok(vec![data.to_vec()]);
+        }
+        let all = self.call(EXCHANGE, CollectiveKind::AllGather, tag, 0, 0, 0, data.to_vec())?;
+        let mut d = Dec(&all);
+        (0..self.members.len())
+            .map(|_| d.bytes().map(<[u8]>::to_vec))
+            .collect::<Result<_, _>>()
+            .map_err(|e| self.bad(CollectiveKind::AllGather, tag, e))
+    }
+
+    fn bad(&self, kind: CollectiveKind, tag: &Tag, msg: String) -> CommError {
+        CommError::BadInput { kind, tag: tag.clone(), rank: self.rank, msg }
+    }
+
+    /// Rank `root`'s bytes on every rank (e.g. a device communicator's unique id); only
+    /// `root` passes `Some`.
+    pub fn broadcast_bytes(&self, root: usize, data: Option<Vec<u8>>) -> Result<Vec<u8>, CommError> {
+        let tag = Tag::new("broadcast-bytes");
+        if root >= self.members.len() {
+            return Err(self.bad(
+                CollectiveKind::Broadcast,
+                &tag,
+                format!("root {root} outside the group of {}", self.members.len()),
+            ));
+        }
+        if (self.rank == root) != data.is_some() {
+            return Err(self.bad(
+                CollectiveKind::Broadcast,
+                &tag,
+                "exactly the root passes the bytes".into(),
+            ));
+        }
+        let mut all = self.exchange(&data.unwrap_or_default(), &tag)?;
+        Ok(all.swap_remove(root))
+    }
+
+    /// Splits the group like `MPI_Comm_split`: members passing the same `color` form a new
+    /// group, ordered by `key` (then by rank). Every member must call it.
+    pub fn split(&self, color: u32, key: u32) -> Result<Arc<Self>, CommError> {
+        let n = self.splits.fetch_add(1, Ordering::SeqCst);
+        let tag = Tag::new(format!("split #{n}"));
+        let mine = [color.to_le_bytes(), key.to_le_bytes()].concat();
+        let all = self.exchange(&mine, &tag)?;
+        let mut picked: Vec<(u32, usize)> = Vec::new();
+        for (r, b) in all.iter().enumerate() {
+            if b.len() != 8 {
+                return Err(self.bad(CollectiveKind::AllGather, &tag, "malformed split request".into()));
+            }
+            let c = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            let k = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+            if c == color {
+                picked.push((k, r));
+            }
+        }
+        picked.sort();
+        let members: Vec<usize> = picked.iter().map(|(_, r)| self.members[*r]).collect();
+        let rank = picked.iter().position(|(_, r)| *r == self.rank).unwrap_or(0);
+        let gid = fnv(&[self.gid, n, color as u64]);
+        Ok(Arc::new(Self::with(self.link.clone(), members, rank, gid)))
+    }
+
+    fn collective<B: Backend>(
+        &self,
+        kind: CollectiveKind,
+        tag: &Tag,
+        input: Tensor<B, 1>,
+        extra: u64,
+        out_len: impl Fn(usize) -> usize,
+    ) -> Result<Tensor<B, 1>, CommError> {
+        let device = input.device();
+        let (bytes, dtype, n) = to_bytes(input);
+        self.counters.record(kind, bytes.len() as u64);
+        let code = dtype_code(dtype)
+            .ok_or_else(|| self.bad(kind, tag, format!("dtype {dtype:?} is not supported over TCP")))?;
+        let out = self.call(kind.index() as u8, kind, tag, code, n as u64, extra, bytes)?;
+        let m = out_len(n);
+        if out.len() != m * dtype.size() {
+            return Err(self.bad(
+                kind,
+                tag,
+                format!("rank 0 answered {} bytes, expected {}", out.len(), m * dtype.size()),
+            ));
+        }
+        Ok(from_bytes::<B>(out, m, dtype, &device))
+    }
+}
+
+fn op_code(op: ReduceOp) -> u64 {
+    match op {
+        ReduceOp::Sum => 0,
+        ReduceOp::Avg => 1,
+        ReduceOp::Max => 2,
+    }
+}
+
+impl<B: Backend> ProcessGroup<B> for TcpGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    fn stats(&self) -> CommStats {
+        self.counters.snapshot()
+    }
+
+    fn all_gather(&self, input: Tensor<B, 1>, tag: &Tag) -> Result<Tensor<B, 1>, CommError> {
+        let w = self.members.len();
+        if w == 1 {
+            return Ok(input);
+        }
+        self.collective(CollectiveKind::AllGather, tag, input, 0, |n| n * w)
+    }
+
+    fn reduce_scatter(
+        &self,
+        input: Tensor<B, 1>,
+        op: ReduceOp,
+        tag: &Tag,
+    ) -> Result<Tensor<B, 1>, CommError> {
+        let w = self.members.len();
+        if w == 1 {
+            return Ok(input);
+        }
+        let kind = CollectiveKind::ReduceScatter;
+        let total = input.shape().num_elements();
+        if !total.is_multiple_of(w) {
+            return Err(self.bad(kind, tag, format!("{total} elements do not split into {w} chunks")));
+        }
+        self.collective(kind, tag, input, op_code(op), |n| n / w)
+    }
+
+    fn all_reduce(&self, input: Tensor<B, 1>, op: ReduceOp, tag: &Tag) -> Result<Tensor<B, 1>, CommError> {
+        if self.members.len() == 1 {
+            return Ok(input);
+        }
+        self.collective(CollectiveKind::AllReduce, tag, input, op_code(op), |n| n)
+    }
+
+    fn broadcast(&self, input: Tensor<B, 1>, root: usize, tag: &Tag) -> Result<Tensor<B, 1>, CommError> {
+        let w = self.members.len();
+        if w == 1 {
+            return Ok(input);
+        }
+        let kind = CollectiveKind::Broadcast;
+        if root >= w {
+            return Err(self.bad(kind, tag, format!("root {root} outside the group of {w}")));
+        }
+        self.collective(kind, tag, input, root as u64, |n| n)
+    }
+
+    fn barrier(&self, tag: &Tag) -> Result<(), CommError> {
+        if self.members.len() == 1 {
+            return Ok(());
+        }
+        self.counters.record(CollectiveKind::Barrier, 0);
+        let kind = CollectiveKind::Barrier;
+        self.call(kind.index() as u8, kind, tag, 0, 0, 0, Vec::new()).map(|_| ())
+    }
+
+    fn abort(&self, reason: &str) {
+        let global = self.members[self.rank];
+        {
+            let mut inbox = self.link.inbox();
+            inbox.failed.get_or_insert((global, reason.to_owned()));
+        }
+        self.link.cv.notify_all();
+        self.link.send(&Enc::default().u8(ABORT).bytes(reason.as_bytes()).0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::NdArray;
+
+    type B = NdArray;
+
+    fn env_of(pairs: &[(&str, &str)]) -> Result<Option<EnvRank>, EnvError> {
+        let map: HashMap<String, String> =
+            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        EnvRank::from_lookup(|k| map.get(k).cloned())
+    }
+
+    #[test]
+    fn env_parsing_names_the_variable() {
+        assert_eq!(env_of(&[]).unwrap(), None);
+        let e = env_of(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "4"),
+            ("MASTER_ADDR", "10.0.0.1"),
+            ("MASTER_PORT", "1234"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            (e.rank, e.world_size, e.local_rank, e.master_addr.as_str(), e.master_port),
+            (1, 4, 1, "10.0.0.1", 1234)
+        );
+        let e = env_of(&[("RANK", "5"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "1")]).unwrap().unwrap();
+        assert_eq!(
+            (e.local_rank, e.master_addr.as_str(), e.master_port),
+            (1, "127.0.0.1", DEFAULT_MASTER_PORT)
+        );
+        for (pairs, needle) in [
+            (vec![("RANK", "1")], "WORLD_SIZE"),
+            (vec![("WORLD_SIZE", "2")], "RANK"),
+            (vec![("RANK", "x"), ("WORLD_SIZE", "2")], "RANK=\"x\""),
+            (vec![("RANK", "2"), ("WORLD_SIZE", "2")], "not below WORLD_SIZE"),
+            (vec![("RANK", "0"), ("WORLD_SIZE", "0")], "WORLD_SIZE=0"),
+            (vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "99999")], "MASTER_PORT"),
+            (vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "-1")], "LOCAL_RANK"),
+        ] {
+            let err = env_of(&pairs).unwrap_err().to_string();
+            assert!(err.contains(needle), "{err} should name {needle}");
+        }
+    }
+
+    fn free_port() -> u16 {
+        TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    }
+
+    fn env(rank: usize, world: usize, port: u16) -> EnvRank {
+        EnvRank {
+            rank,
+            world_size: world,
+            local_rank: rank,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+        }
+    }
+
+    /// Runs `f` on `world` threads, each joined through TCP.
+    fn run<T: Send + 'static>(
+        world: usize,
+        f: impl Fn(Arc<TcpGroup>) -> T + Send + Sync + 'static,
+    ) -> Vec<T> {
+        let port = free_port();
+        let f = Arc::new(f);
+        let handles: Vec<_> = (0..world)
+            .map(|r| {
+                let f = f.clone();
+                std::thread::spawn(move || {
+                    let g =
+                        TcpGroup::connect(&env(r, world, port), Duration::from_secs(20)).expect("connect");
+                    f(g)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    }
+
+    fn vals(t: Tensor<B, 1>) -> Vec<f32> {
+        t.into_data().to_vec::<f32>().unwrap()
+    }
+
+    #[test]
+    fn collectives_match_local_group_bit_for_bit() {
+        let world = 3;
+        let input = |r: usize| -> Vec<f32> {
+            (0..6).map(|i| (i as f32 + 0.1) * 10f32.powi(r as i32 * 3 - 3)).collect()
+        };
+        let tcp = run(world, move |g| {
+            let d = Default::default();
+            let t = |r: usize| Tensor::<B, 1>::from_floats(input(r).as_slice(), &d);
+            let me = g.rank;
+            let ag = vals(ProcessGroup::<B>::all_gather(&*g, t(me), &Tag::new("ag")).unwrap());
+            let rs =
+                vals(ProcessGroup::<B>::reduce_scatter(&*g, t(me), ReduceOp::Avg, &Tag::new("rs")).unwrap());
+            let ar = vals(ProcessGroup::<B>::all_reduce(&*g, t(me), ReduceOp::Sum, &Tag::new("ar")).unwrap());
+            let mx = vals(ProcessGroup::<B>::all_reduce(&*g, t(me), ReduceOp::Max, &Tag::new("mx")).unwrap());
+            let bc = vals(ProcessGroup::<B>::broadcast(&*g, t(me), 2, &Tag::new("bc")).unwrap());
+            ProcessGroup::<B>::barrier(&*g, &Tag::new("b")).unwrap();
+            (ag, rs, ar, mx, bc)
+        });
+        let local = crate::local::launch(world, Duration::from_secs(20), move |g| {
+            let d = Default::default();
+            let t = |r: usize| Tensor::<B, 1>::from_floats(input(r).as_slice(), &d);
+            let me = ProcessGroup::<B>::rank(&*g);
+            let ag = vals(ProcessGroup::<B>::all_gather(&*g, t(me), &Tag::new("ag"))?);
+            let rs = vals(ProcessGroup::<B>::reduce_scatter(&*g, t(me), ReduceOp::Avg, &Tag::new("rs"))?);
+            let ar = vals(ProcessGroup::<B>::all_reduce(&*g, t(me), ReduceOp::Sum, &Tag::new("ar"))?);
+            let mx = vals(ProcessGroup::<B>::all_reduce(&*g, t(me), ReduceOp::Max, &Tag::new("mx"))?);
+            let bc = vals(ProcessGroup::<B>::broadcast(&*g, t(me), 2, &Tag::new("bc"))?);
+            Ok::<_, CommError>((ag, rs, ar, mx, bc))
+        })
+        .unwrap();
+        let bits = |v: &Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (a, b) in tcp.iter().zip(&local) {
+            assert_eq!(bits(&a.0), bits(&b.0));
+            assert_eq!(bits(&a.1), bits(&b.1));
+            assert_eq!(bits(&a.2), bits(&b.2));
+            assert_eq!(bits(&a.3), bits(&b.3));
+            assert_eq!(bits(&a.4), bits(&b.4));
+        }
+        assert_eq!(tcp[0].0.len(), 18);
+        assert_eq!(tcp[1].4, input(2));
+    }
+
+    #[test]
+    fn split_groups_and_byte_broadcast() {
+        let out = run(4, |g| {
+            let me = g.rank;
+            let id = g.broadcast_bytes(0, (me == 0).then(|| vec![42u8; 128])).unwrap();
+            // Rows of a 2x2 mesh: {0,1} and {2,3}; columns: {0,2} and {1,3}.
+            let row = g.split((me / 2) as u32, (me % 2) as u32).unwrap();
+            let col = g.split((me % 2) as u32, (me / 2) as u32).unwrap();
+            let d = Default::default();
+            let x = Tensor::<B, 1>::from_floats([me as f32], &d);
+            let r = vals(ProcessGroup::<B>::all_gather(&*row, x.clone(), &Tag::new("row")).unwrap());
+            let c = vals(ProcessGroup::<B>::all_gather(&*col, x, &Tag::new("col")).unwrap());
+            (id, r, c, row.rank, col.rank)
+        });
+        for (me, (id, r, c, rr, cr)) in out.into_iter().enumerate() {
+            assert_eq!(id, vec![42u8; 128]);
+            let base = (me / 2) * 2;
+            assert_eq!(r, vec![base as f32, base as f32 + 1.0]);
+            assert_eq!(c, vec![(me % 2) as f32, (me % 2) as f32 + 2.0]);
+            assert_eq!((rr, cr), (me % 2, me / 2));
+        }
+    }
+
+    #[test]
+    fn mismatch_and_abort_fail_every_rank() {
+        let out = run(3, |g| {
+            let d = Default::default();
+            let x = Tensor::<B, 1>::from_floats([1.0, 2.0], &d);
+            let tag = if g.rank == 1 { "other" } else { "same" };
+            ProcessGroup::<B>::all_reduce(&*g, x, ReduceOp::Sum, &Tag::new(tag)).unwrap_err().to_string()
+        });
+        for e in &out {
+            assert!(e.contains("mismatch") && e.contains("other") && e.contains("same"), "{e}");
+        }
+        let out = run(3, |g| {
+            let d = Default::default();
+            if g.rank == 2 {
+                ProcessGroup::<B>::abort(&*g, "rank 2 ran out of data");
+                return String::new();
+            }
+            let x = Tensor::<B, 1>::from_floats([1.0], &d);
+            let started = Instant::now();
+            let e = ProcessGroup::<B>::all_reduce(&*g, x, ReduceOp::Sum, &Tag::new("x")).unwrap_err();
+            assert!(started.elapsed() < Duration::from_secs(10));
+            e.to_string()
+        });
+        assert!(out[0].contains("ran out of data") && out[1].contains("ran out of data"), "{out:?}");
+    }
+
+    #[test]
+    fn wrong_world_size_is_refused_at_start() {
+        let port = free_port();
+        let r0 = std::thread::spawn(move || {
+            TcpGroup::connect(&env(0, 2, port), Duration::from_secs(10)).map(|_| ())
+        });
+        let r1 = TcpGroup::connect(&env(1, 3, port), Duration::from_secs(10)).map(|_| ());
+        let e0 = r0.join().unwrap().unwrap_err().to_string();
+        let e1 = r1.unwrap_err().to_string();
+        for e in [e0, e1] {
+            assert!(e.contains("WORLD_SIZE=3") && e.contains("WORLD_SIZE=2"), "{e}");
+        }
+    }
+
+    #[test]
+    fn missing_rank_times_out_with_its_number() {
+        let port = free_port();
+        let e = TcpGroup::connect(&env(0, 3, port), Duration::from_millis(300)).unwrap_err().to_string();
+        assert!(e.contains("[1, 2]") && e.contains("did not connect"), "{e}");
+        let e =
+            TcpGroup::connect(&env(1, 3, free_port()), Duration::from_millis(300)).unwrap_err().to_string();
+        assert!(e.contains("could not reach rank 0"), "{e}");
+    }
+
+    #[test]
+    fn a_dead_peer_fails_the_others_quickly() {
+        // Rank 2 "dies": its link is dropped without saying bye would need a real process;
+        // dropping its socket mid-job closes the connection the same way.
+        let port = free_port();
+        let handles: Vec<_> = (0..3)
+            .map(|r| {
+                std::thread::spawn(move || {
+                    let g = TcpGroup::connect(&env(r, 3, port), Duration::from_secs(20)).unwrap();
+                    if r == 2 {
+                        if let Outlet::Remote(w) = &*g.link.out.lock().unwrap() {
+                            w.get_ref().shutdown(std::net::Shutdown::Both).unwrap();
+                        }
+                        return String::new();
+                    }
+                    let started = Instant::now();
+                    let x = Tensor::<B, 1>::from_floats([1.0], &Default::default());
+                    let e = ProcessGroup::<B>::all_reduce(&*g, x, ReduceOp::Sum, &Tag::new("x")).unwrap_err();
+                    assert!(started.elapsed() < Duration::from_secs(10));
+                    e.to_string()
+                })
+            })
+            .collect();
+        let out: Vec<String> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        assert!(out[0].contains("rank 2") && out[1].contains("rank 2"), "{out:?}");
+    }
+}

@@ -1,0 +1,231 @@
+//! `--launcher env`: one process per FSDP rank, joined through `RANK`, `WORLD_SIZE`,
+//! `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` (torchrun's variables) and connected over
+//! TCP ([`burn_fsdp::tcp::TcpGroup`]).
+//!
+//! - Started with those variables set, this process is one rank of the job.
+//! - Started without them, `cargo xtask train-qwen3 --launcher env --world-size 4 …` starts
+//!   the 4 ranks on this machine itself (like `torchrun --standalone`): the same command with
+//!   the variables set, a free `MASTER_PORT`, and `--out-dir` fixed so all ranks agree.
+//!   `--dry-run` prints the per-rank command lines instead, which is also how to start a job
+//!   on several machines (set `MASTER_ADDR` to rank 0's machine; see docs/multi-process.md).
+//!
+//! The same rendezvous is what device communicators (NCCL, MCCL) use to share their unique id.
+
+use std::path::Path;
+use std::process::{Child, Command};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use burn_fsdp::ProcessGroup;
+use burn_fsdp::tcp::{EnvRank, TcpGroup};
+
+use crate::launch::{run_digest, shell_words};
+use crate::train::{Precision, RankGroups, Setup, StepMetrics, Topology, TrainArgs};
+
+/// The environment of rank `rank` of a one-machine job on `port`.
+pub fn rank_env(rank: usize, world: usize, port: u16) -> Vec<(String, String)> {
+    [
+        ("RANK", rank.to_string()),
+        ("WORLD_SIZE", world.to_string()),
+        ("LOCAL_RANK", rank.to_string()),
+        ("MASTER_ADDR", "127.0.0.1".to_owned()),
+        ("MASTER_PORT", port.to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect()
+}
+
+/// A free TCP port on the loopback interface.
+fn free_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port for MASTER_PORT")?;
+    Ok(l.local_addr()?.port())
+}
+
+/// The per-rank command line (after the environment) of `raw` with `--out-dir` fixed.
+fn rank_args(args: &TrainArgs, raw: &[String], out_dir: &Path) -> Vec<String> {
+    let mut rest: Vec<String> = raw.iter().filter(|a| *a != "--dry-run").cloned().collect();
+    if args.out_dir.is_none() {
+        rest.push("--out-dir".to_owned());
+        rest.push(out_dir.to_string_lossy().into_owned());
+    }
+    rest
+}
+
+/// Starts every rank of `--launcher env` on this machine (or prints their command lines with
+/// `--dry-run`) and waits for them. When one rank fails, the others fail within the collective
+/// timeout (their connections report it); any still running after that are killed, so no
+/// process is left behind.
+pub fn launch_local(args: &TrainArgs, raw: &[String]) -> Result<()> {
+    if args.no_fsdp {
+        bail!("--launcher env runs FSDP ranks; drop --no-fsdp (use --world-size)");
+    }
+    let world = args.world();
+    if world == 0 {
+        bail!("--world-size must be at least 1");
+    }
+    let exe = std::env::current_exe().context("locating the xtask binary")?;
+    let out_dir = args.out_dir.clone().unwrap_or_else(crate::train::default_run_dir);
+    let port = free_port()?;
+    let rest = rank_args(args, raw, &out_dir);
+    if args.dry_run {
+        for rank in 0..world {
+            let mut line: Vec<String> =
+                rank_env(rank, world, port).into_iter().map(|(k, v)| format!("{k}={v}")).collect();
+            line.push(exe.to_string_lossy().into_owned());
+            line.extend(rest.iter().cloned());
+            println!("{}", shell_words(&line));
+        }
+        return Ok(());
+    }
+    if !args.quiet {
+        println!("launching {world} ranks on 127.0.0.1:{port}: {} {}", exe.display(), shell_words(&rest));
+    }
+    let mut children: Vec<Child> = Vec::new();
+    for rank in 0..world {
+        let mut cmd = Command::new(&exe);
+        cmd.args(&rest).envs(rank_env(rank, world, port));
+        match cmd.spawn() {
+            Ok(c) => children.push(c),
+            Err(e) => {
+                kill_all(&mut children);
+                return Err(e).with_context(|| format!("starting rank {rank} ({})", exe.display()));
+            }
+        }
+    }
+    let timeout = args.collective_timeout()? + Duration::from_secs(5);
+    let mut status: Vec<Option<std::process::ExitStatus>> = vec![None; world];
+    let mut first_failure: Option<(usize, Instant)> = None;
+    loop {
+        for (rank, child) in children.iter_mut().enumerate() {
+            if status[rank].is_none()
+                && let Ok(Some(s)) = child.try_wait()
+            {
+                status[rank] = Some(s);
+                if !s.success() && first_failure.is_none() {
+                    first_failure = Some((rank, Instant::now()));
+                }
+            }
+        }
+        if status.iter().all(Option::is_some) {
+            break;
+        }
+        if let Some((_, at)) = first_failure
+            && at.elapsed() > timeout
+        {
+            // The others should have noticed; don't leave them behind.
+            kill_all(&mut children);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if let Some((rank, _)) = first_failure {
+        let codes: Vec<String> = status
+            .iter()
+            .enumerate()
+            .map(|(r, s)| format!("rank {r}: {}", s.map(|s| s.to_string()).unwrap_or_default()))
+            .collect();
+        bail!("the job failed: rank {rank} exited first with an error ({})", codes.join(", "));
+    }
+    Ok(())
+}
+
+fn kill_all(children: &mut [Child]) {
+    for c in children.iter_mut() {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
+/// This process's place in a `--launcher env` job.
+pub struct EnvJob {
+    env: EnvRank,
+    world: Arc<TcpGroup>,
+}
+
+impl EnvJob {
+    /// Joins the job this process's environment describes, checking the flags' world size
+    /// against `WORLD_SIZE`.
+    pub fn join(args: &TrainArgs) -> Result<Self> {
+        let env = EnvRank::from_env().map_err(|e| anyhow::anyhow!("--launcher env: {e}"))?.context(
+            "--launcher env: RANK/WORLD_SIZE are not set (run without them to start all ranks here)",
+        )?;
+        let want =
+            if args.mesh.is_some() || args.hsdp.is_some() { Some(args.world()) } else { args.world_size };
+        if let Some(w) = want
+            && w != env.world_size
+        {
+            bail!(
+                "rank {}: --world-size/--mesh/--hsdp ask for {w} ranks but WORLD_SIZE={}",
+                env.rank,
+                env.world_size
+            );
+        }
+        let world = TcpGroup::connect(&env, args.collective_timeout()?)
+            .map_err(|e| anyhow::anyhow!("rank {}: joining the job: {e}", env.rank))?;
+        Ok(Self { env, world })
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.env.rank
+    }
+
+    /// Number of processes.
+    pub fn size(&self) -> usize {
+        self.env.world_size
+    }
+
+    /// Tells every other rank that this one failed.
+    pub fn abort(&self, reason: &str) {
+        ProcessGroup::<crate::Backend>::abort(&*self.world, reason);
+    }
+
+    /// Compares [`run_digest`] across ranks (flags, model config, weights, data).
+    pub fn check_consistent(&self, args: &TrainArgs, setup: &Setup) -> Result<()> {
+        burn_fsdp::comm::check_same_on_all_ranks::<crate::Backend>(
+            &*self.world,
+            "flags, model config, weights and data",
+            run_digest(args, setup),
+            &crate::device(),
+        )
+        .map_err(|e| anyhow::anyhow!("{e}"))
+    }
+
+    fn groups<B: burn::tensor::backend::Backend>(&self, args: &TrainArgs) -> Result<RankGroups<B>> {
+        let topology = args.topology();
+        let rank = self.env.rank;
+        if let Topology::Flat(_) = topology {
+            return Ok(RankGroups { topology, rank, outer: self.world.clone(), inner: None, gate: None });
+        }
+        let (_, i) = topology.dims();
+        let (a, b) = (rank / i, rank % i);
+        let err = |e: burn_fsdp::CommError| anyhow::anyhow!("splitting the job into the mesh: {e}");
+        let inner = self.world.split(a as u32, b as u32).map_err(err)?;
+        let outer = self.world.split(b as u32, a as u32).map_err(err)?;
+        Ok(RankGroups { topology, rank, outer, inner: Some(inner), gate: None })
+    }
+
+    /// Runs this rank's share of FSDP training.
+    pub fn train(
+        &self,
+        args: &TrainArgs,
+        setup: Setup,
+        sink: &crate::train::MetricsSink,
+        precision: Precision,
+    ) -> Result<Vec<StepMetrics>> {
+        let result = match precision {
+            Precision::Fp32 => self
+                .groups::<crate::Backend>(args)
+                .and_then(|g| crate::train::fsdp_rank::<crate::Backend>(args, &setup, g, sink)),
+            Precision::Bf16 => self
+                .groups::<burn::backend::Flex<f32>>(args)
+                .and_then(|g| crate::train::fsdp_rank::<burn::backend::Flex<f32>>(args, &setup, g, sink)),
+        };
+        result.map_err(|e| {
+            let msg = format!("rank {}: {e:#}", self.rank());
+            self.abort(&msg);
+            anyhow::anyhow!(msg)
+        })
+    }
+}
