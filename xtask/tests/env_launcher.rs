@@ -101,10 +101,10 @@ fn ranks_started_with_another_world_size_or_config_are_refused() {
         assert!(!o.status.success(), "{t}");
         assert!(t.contains("WORLD_SIZE=3") && t.contains("WORLD_SIZE=2"), "{t}");
     }
-    // Rank 1 runs with another learning rate: the digest check refuses it before training.
+    // Rank 1 runs with another seed: the digest check refuses it before training.
     let port = free_port().to_string();
     let mut other = base.clone();
-    other.extend(["--lr".to_owned(), "0.5".to_owned()]);
+    other.extend(["--seed".to_owned(), "7".to_owned()]);
     let start = Instant::now();
     let r0 =
         start_rank(&[("RANK", "0".into()), ("WORLD_SIZE", "2".into()), ("MASTER_PORT", port.clone())], &base);
