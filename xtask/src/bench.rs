@@ -112,6 +112,7 @@ fn train_throughput(
     rows: usize,
     seq: usize,
     steps: usize,
+    extra: &[&str],
 ) -> Result<Throughput> {
     let device = crate::device();
     let model = config.init::<Backend>(&device).to_hf_tensors();
@@ -120,7 +121,8 @@ fn train_throughput(
         None => vec!["train-qwen3".into(), "--no-fsdp".into(), "--quiet".into()],
         Some(w) => vec!["train-qwen3".into(), "--world-size".into(), w.to_string(), "--quiet".into()],
     };
-    let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+    let mut argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+    argv.extend(extra);
     let args = TrainArgs::parse_from_args(&argv)?;
     let sink = MetricsSink::new(None, true)?;
     let setup = Setup { config: config.clone(), model, batches, steps: steps + 1, resume: None };
@@ -403,12 +405,18 @@ pub fn run(args: &BenchArgs) -> Result<Vec<(String, f64)>> {
             config.num_params(),
             args.steps
         );
-        let single = train_throughput(config, None, rows, seq, args.steps)?;
-        let fsdp = train_throughput(config, Some(4), rows, seq, args.steps)?;
+        let single = train_throughput(config, None, rows, seq, args.steps, &[])?;
+        let fsdp = train_throughput(config, Some(4), rows, seq, args.steps, &[])?;
+        let inline = train_throughput(config, Some(4), rows, seq, args.steps, &["--no-prefetch"])?;
         println!(
-            "  single device: {:.0} tokens/s; FSDP W=4 (in-process): {:.0} tokens/s",
-            single.tokens_per_sec, fsdp.tokens_per_sec
+            "  single device: {:.0} tokens/s; FSDP W=4 (in-process): {:.0} tokens/s with overlap \
+             (prefetch + reduce-scatter on a communication thread), {:.0} tokens/s without",
+            single.tokens_per_sec, fsdp.tokens_per_sec, inline.tokens_per_sec
         );
+        figures.push((
+            format!("{name}_fsdp_w4_overlap_vs_inline_tokens_per_sec_ratio"),
+            fsdp.tokens_per_sec / inline.tokens_per_sec,
+        ));
         // Per rank: the ranks run at once, so each rank's share of the wall time.
         let c = &fsdp.collectives;
         let per_rank = |d: Duration| d.as_secs_f64() / 4.0;

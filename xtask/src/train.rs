@@ -47,6 +47,11 @@ pub struct TrainArgs {
     /// Free gathered parameters after each unit's forward and re-gather them in backward.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub reshard_after_forward: bool,
+    /// Run each FSDP collective on the compute thread when it is needed, instead of
+    /// prefetching all-gathers and reducing gradients on a communication thread while
+    /// compute goes on (FsdpConfig::prefetch = false). Results are bit-identical either way.
+    #[arg(long)]
+    pub no_prefetch: bool,
     /// Number of optimizer steps (default: all steps of --batches, or 50 on synthetic data).
     #[arg(long)]
     pub steps: Option<usize>,
@@ -1106,6 +1111,7 @@ pub fn fsdp_config(args: &TrainArgs) -> FsdpConfig {
         reshard_after_forward: args.reshard_after_forward,
         mp_policy,
         offload: OffloadPolicy { enabled: args.offload },
+        prefetch: !args.no_prefetch,
         ..FsdpConfig::default()
     }
 }
@@ -1152,6 +1158,7 @@ pub fn fsdp_rank<B: burn::tensor::backend::Backend>(
     for step in first_step..steps {
         let start = Instant::now();
         let before = (outer.stats(), inner.as_ref().map(|g| g.stats()));
+        let prefetch_before = fsdp.prefetch_stats().unwrap_or_default();
         let mut loss_sum = 0.0;
         let mut grads = None;
         for m in 0..micro {
@@ -1189,7 +1196,11 @@ pub fn fsdp_rank<B: burn::tensor::backend::Backend>(
         };
         if rank == 0 {
             sink.emit(&metrics)?;
-            sink.set_collectives(collectives_json(topology, &before, &outer, inner.as_ref()));
+            let mut c = collectives_json(topology, &before, &outer, inner.as_ref());
+            if let (Some(now), Some(obj)) = (fsdp.prefetch_stats(), c.as_object_mut()) {
+                obj.insert("overlap".into(), overlap_json(&now, &prefetch_before));
+            }
+            sink.set_collectives(c);
         }
         out.push(metrics);
         if let Some(save_dir) = &args.save_dir {
@@ -1219,6 +1230,23 @@ pub fn fsdp_rank<B: burn::tensor::backend::Backend>(
         }
     }
     Ok(out)
+}
+
+/// What overlap did in one step (FSDP's communication thread), as JSON for `summary.json`:
+/// gathers that were prefetched vs issued on demand (exposed), asynchronous reduce-scatters,
+/// and the seconds the compute thread waited for communication.
+fn overlap_json(
+    now: &burn_fsdp::prefetch::PrefetchStats,
+    then: &burn_fsdp::prefetch::PrefetchStats,
+) -> serde_json::Value {
+    serde_json::json!({
+        "forward_gathers_prefetched": now.forward_prefetched - then.forward_prefetched,
+        "forward_gathers_exposed": now.forward_on_demand - then.forward_on_demand,
+        "backward_gathers_prefetched": now.backward_prefetched - then.backward_prefetched,
+        "backward_gathers_exposed": now.backward_on_demand - then.backward_on_demand,
+        "async_reduce_scatters": now.async_reduce_scatters - then.async_reduce_scatters,
+        "wait_seconds": (now.wait_nanos - then.wait_nanos) as f64 * 1e-9,
+    })
 }
 
 /// Collectives issued by one step, per mesh dimension, as JSON for `summary.json`.
