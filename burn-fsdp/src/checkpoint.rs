@@ -313,6 +313,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         step: u64,
         model_config: &serde_json::Value,
     ) -> Result<(), CheckpointError> {
+        self.quiesce();
         let dir = dir.as_ref();
         let (rank, world) = (self.rank(), self.world());
         let group = self.shard_group();
@@ -390,6 +391,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         model_config: &serde_json::Value,
         tp: &TensorParallel<B::InnerBackend>,
     ) -> Result<(), CheckpointError> {
+        self.quiesce();
         if self.host_store().is_some() || self.replicate_group().is_some() {
             return Err(FsdpError::Config(
                 "tensor-parallel checkpoints support neither offload nor HSDP".into(),

@@ -548,6 +548,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     where
         M: AutodiffModule<B>,
     {
+        self.quiesce();
         let local = match &self.host {
             Some(host) => host.grad_sq_sum(),
             None => grad_sq_sum::<B, M>(&self.module, grads),
@@ -591,6 +592,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     where
         M: AutodiffModule<B>,
     {
+        self.quiesce();
         if self.host.is_some() {
             return Err(FsdpError::Config("CPU offload is not supported with tensor parallelism".into()));
         }
