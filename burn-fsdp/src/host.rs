@@ -128,11 +128,9 @@ where
             let s = &s[start..end];
             match op {
                 ReduceOp::Sum | ReduceOp::Avg => block.iter_mut().zip(s).for_each(|(a, b)| *a = *a + *b),
-                ReduceOp::Max => block.iter_mut().zip(s).for_each(|(a, b)| {
-                    if !(*a >= *b) {
-                        *a = *b
-                    }
-                }),
+                ReduceOp::Max => {
+                    block.iter_mut().zip(s).for_each(|(a, b)| *a = if *a >= *b { *a } else { *b })
+                }
             }
         }
         if op == ReduceOp::Avg {

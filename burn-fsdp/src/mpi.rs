@@ -31,7 +31,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::{DType, Tensor};
 use mpi::Threading;
 use mpi::environment::Universe;
 use mpi::request::{Request, StaticScope};

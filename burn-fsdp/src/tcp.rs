@@ -883,16 +883,16 @@ impl TcpGroup {
         *s
     }
 
+    /// Sends one request (`head` = message code, dtype code, elements, extra argument) and
+    /// waits for its answer.
     fn call(
         &self,
-        kind: u8,
         ckind: CollectiveKind,
         tag: &Tag,
-        dtype: u8,
-        elems: u64,
-        extra: u64,
+        head: (u8, u8, u64, u64),
         data: Vec<u8>,
     ) -> Result<Vec<u8>, CommError> {
+        let (kind, dtype, elems, extra) = head;
         let seq = self.next_seq();
         let req = Request {
             gid: self.gid,
@@ -916,7 +916,7 @@ impl TcpGroup {
         if self.members.len() == 1 {
             return Ok(vec![data.to_vec()]);
         }
-        let all = self.call(EXCHANGE, CollectiveKind::AllGather, tag, 0, 0, 0, data.to_vec())?;
+        let all = self.call(CollectiveKind::AllGather, tag, (EXCHANGE, 0, 0, 0), data.to_vec())?;
         let mut d = Dec(&all);
         (0..self.members.len())
             .map(|_| d.bytes().map(<[u8]>::to_vec))
@@ -988,7 +988,7 @@ impl TcpGroup {
         self.counters.record(kind, bytes.len() as u64);
         let code = dtype_code(dtype)
             .ok_or_else(|| self.bad(kind, tag, format!("dtype {dtype:?} is not supported over TCP")))?;
-        let out = self.call(kind.index() as u8, kind, tag, code, n as u64, extra, bytes)?;
+        let out = self.call(kind, tag, (kind.index() as u8, code, n as u64, extra), bytes)?;
         let m = out_len(n);
         if out.len() != m * dtype.size() {
             return Err(self.bad(
@@ -1073,7 +1073,7 @@ impl<B: Backend> ProcessGroup<B> for TcpGroup {
         }
         self.counters.record(CollectiveKind::Barrier, 0);
         let kind = CollectiveKind::Barrier;
-        self.call(kind.index() as u8, kind, tag, 0, 0, 0, Vec::new()).map(|_| ())
+        self.call(kind, tag, (kind.index() as u8, 0, 0, 0), Vec::new()).map(|_| ())
     }
 
     fn abort(&self, reason: &str) {

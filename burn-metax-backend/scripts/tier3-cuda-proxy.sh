@@ -42,9 +42,27 @@ step() { # step NAME TIMEOUT_SECONDS COMMAND...
 BUILD_TIMEOUT="${BUILD_TIMEOUT:-1500}"
 TEST_TIMEOUT="${TEST_TIMEOUT:-900}"
 
-step build "$BUILD_TIMEOUT" cargo build --offline -p burn-metax-backend --features cuda-proxy --tests
-step gpu-tests "$TEST_TIMEOUT" cargo test --offline -p burn-metax-backend --features cuda-proxy --test cuda_proxy_gpu -- --nocapture --test-threads=1
-step mock-tests "$TEST_TIMEOUT" cargo test --offline -p burn-metax-backend --features cuda-proxy
+# NCCL for the `cuda` feature's NcclCommunicator: cudarc opens `libnccl.so` (not `libnccl.so.2`).
+# If only the versioned library is installed (e.g. the `nvidia-nccl-cu12` Python wheel), expose
+# it under the unversioned name in a private directory on LD_LIBRARY_PATH.
+if ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so '; then
+    NCCL_SO2="$(ldconfig -p 2>/dev/null | awk '/libnccl\.so\.2 /{print $NF; exit}')"
+    if [ -z "$NCCL_SO2" ]; then
+        NCCL_SO2="$(find /usr /opt /root/.local -name 'libnccl.so.2*' 2>/dev/null | head -n 1)"
+    fi
+    if [ -n "$NCCL_SO2" ]; then
+        mkdir -p "$OUT/nccl-lib"
+        ln -sf "$NCCL_SO2" "$OUT/nccl-lib/libnccl.so"
+        export LD_LIBRARY_PATH="$OUT/nccl-lib:${LD_LIBRARY_PATH:-}"
+    fi
+fi
+echo "libnccl: $(ldconfig -p 2>/dev/null | grep libnccl || true) LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}" >> "$OUT/environment.txt"
+
+# `--features cuda` = cuda-proxy + collectives + NCCL: one build for every step below.
+step build "$BUILD_TIMEOUT" cargo build --offline -p burn-metax-backend --features cuda --tests
+step gpu-tests "$TEST_TIMEOUT" cargo test --offline -p burn-metax-backend --features cuda --test cuda_proxy_gpu -- --nocapture --test-threads=1
+step nccl-tests "$TEST_TIMEOUT" cargo test --offline -p burn-metax-backend --features cuda --test nccl_gpu -- --nocapture --test-threads=1
+step mock-tests "$TEST_TIMEOUT" cargo test --offline -p burn-metax-backend --features cuda
 
 # The backend conformance suite on the CUDA proxy (f64 host references), then Qwen3 FSDP
 # training steps on it against the PyTorch trajectory.

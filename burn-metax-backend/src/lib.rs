@@ -18,6 +18,10 @@
 //!   [`dialect::compile_kernel_source`], which compiles a CubeCL kernel to MACA C++ source.
 //! - [`mccl`]: MCCL collectives (`libmccl.so`, loaded at run time): [`mccl::Mccl`] and
 //!   [`mccl::MacaCommunicator`].
+//! - `collective` (feature `collectives`): device-buffer communicators for burn-fsdp — the
+//!   `DeviceCommunicator` trait (MCCL; NCCL with the `cuda` feature) and `DeviceGroup`, a
+//!   `burn_fsdp::comm::ProcessGroup` whose collectives run on a communication stream ordered
+//!   against the compute streams by events.
 //!
 //! The tests build a mock `libmcruntime.so`/`libmccl.so` (`mock-mcruntime/`, a standalone crate)
 //! and run the driver, the server and the backend against it.
@@ -25,6 +29,8 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 mod backend;
+#[cfg(feature = "collectives")]
+pub mod collective;
 pub mod dialect;
 pub mod driver;
 pub mod mccl;

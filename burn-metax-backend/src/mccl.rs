@@ -16,7 +16,8 @@
 //! `mcclInvalidUsage`; and that the data-type, reduction-op and result enums convert one-to-one
 //! from FlagCX's, which follow NCCL's numbering.
 //!
-//! *Assumed* (= NCCL): `MCCL_UNIQUE_ID_BYTES = 128`; the numeric values of `mcclDataType_t`
+//! *Assumed* (= NCCL): `mcclCommAbort(comm)` (optional: loaded if exported, see
+//! [`MacaCommunicator::abort`]); `MCCL_UNIQUE_ID_BYTES = 128`; the numeric values of `mcclDataType_t`
 //! (int8 0 … float32 7, float64 8, bfloat16 9), `mcclRedOp_t` (sum 0, prod 1, max 2, min 3, avg
 //! 4) and `mcclResult_t` (see [`MCCL_RESULTS`]); the result names other than the two above.
 
@@ -174,6 +175,7 @@ struct McclApi {
     mcclGetVersion: Option<unsafe extern "C" fn(*mut c_int) -> Status>,
     mcclCommCount: Option<unsafe extern "C" fn(Raw, *mut c_int) -> Status>,
     mcclCommUserRank: Option<unsafe extern "C" fn(Raw, *mut c_int) -> Status>,
+    mcclCommAbort: Option<unsafe extern "C" fn(Raw) -> Status>,
 }
 
 /// Resolves `name` in `lib` as a `T`.
@@ -234,6 +236,7 @@ impl Mccl {
                 mcclGetVersion: symbol(&library, p, "mcclGetVersion").ok(),
                 mcclCommCount: symbol(&library, p, "mcclCommCount").ok(),
                 mcclCommUserRank: symbol(&library, p, "mcclCommUserRank").ok(),
+                mcclCommAbort: symbol(&library, p, "mcclCommAbort").ok(),
             }
         };
         Ok(Self { path, api, _library: library })
@@ -265,6 +268,11 @@ impl Mccl {
             name: mccl_result_name(code).unwrap_or("mcclResult?"),
             message: self.error_string(code),
         })
+    }
+
+    /// Whether the library exports `mcclCommAbort` (see [`MacaCommunicator::abort`]).
+    pub fn has_abort(&self) -> bool {
+        self.api.mcclCommAbort.is_some()
     }
 
     /// The library version (`mcclGetVersion`), if it exports one.
@@ -315,6 +323,8 @@ pub struct MacaCommunicator {
     comm: usize,
     rank: usize,
     world_size: usize,
+    /// Set by [`MacaCommunicator::abort`]: the handle is gone (or leaked) and must not be used.
+    aborted: bool,
     _not_sync: PhantomData<Cell<()>>,
 }
 
@@ -350,7 +360,51 @@ impl MacaCommunicator {
         // SAFETY: `comm` is a valid out-pointer; the id is passed by value as the API takes it.
         let status = unsafe { (mccl.api.mcclCommInitRank)(&mut comm, nranks, *id, my_rank) };
         mccl.check("mcclCommInitRank", status)?;
-        Ok(Self { mccl, comm: comm as usize, rank, world_size, _not_sync: PhantomData })
+        Ok(Self { mccl, comm: comm as usize, rank, world_size, aborted: false, _not_sync: PhantomData })
+    }
+
+    /// As [`MacaCommunicator::init_rank`], from the id's bytes as [`Mccl::unique_id`] made them
+    /// (`McclUniqueId::to_bytes`) on the rank that created it and as they were sent to this one.
+    pub fn from_unique_id(
+        mccl: Arc<Mccl>,
+        id: [u8; MCCL_UNIQUE_ID_BYTES],
+        rank: usize,
+        world_size: usize,
+    ) -> Result<Self, McclError> {
+        Self::init_rank(mccl, world_size, &McclUniqueId::from_bytes(id), rank)
+    }
+
+    /// Whether [`MacaCommunicator::abort`] was called.
+    pub fn is_aborted(&self) -> bool {
+        self.aborted
+    }
+
+    /// Aborts the communicator (`mcclCommAbort`): collectives of it still queued or running on
+    /// the device stop waiting for peers and complete without a meaningful result, and its
+    /// resources are freed. Every later collective of this value fails with
+    /// [`McclError::InvalidArgument`], and drop no longer destroys it.
+    ///
+    /// If the library does not export `mcclCommAbort`, the handle is only marked aborted and
+    /// leaked (destroying a communicator with work in flight may wait for peers forever); queued
+    /// collectives then still wait for their peers.
+    pub fn abort(&mut self) -> Result<(), McclError> {
+        if self.aborted {
+            return Ok(());
+        }
+        self.aborted = true;
+        let Some(f) = self.mccl.api.mcclCommAbort else { return Ok(()) };
+        // SAFETY: `self.comm` came from `mcclCommInitRank`, was not destroyed or aborted before
+        // (checked above), and is not used again (`aborted` is set).
+        let status = unsafe { f(self.raw()) };
+        self.mccl.check("mcclCommAbort", status)
+    }
+
+    fn live(&self) -> Result<(), McclError> {
+        if self.aborted {
+            Err(McclError::InvalidArgument("the communicator was aborted".into()))
+        } else {
+            Ok(())
+        }
     }
 
     /// This rank.
@@ -371,6 +425,9 @@ impl MacaCommunicator {
     /// `(count, rank)` as MCCL reports them (`mcclCommCount`, `mcclCommUserRank`), when exported.
     pub fn query(&self) -> Option<Result<(usize, usize), McclError>> {
         let (count_f, rank_f) = (self.mccl.api.mcclCommCount?, self.mccl.api.mcclCommUserRank?);
+        if let Err(e) = self.live() {
+            return Some(Err(e));
+        }
         let (mut count, mut rank): (c_int, c_int) = (0, 0);
         // SAFETY: valid out-pointers; `self.comm` is a live communicator.
         let status = unsafe { count_f(self.raw(), &mut count) };
@@ -400,7 +457,8 @@ impl MacaCommunicator {
         op: McclRedOp,
         stream: StreamHandle,
     ) -> Result<(), McclError> {
-        // SAFETY: the caller guarantees the buffers; the communicator is live.
+        self.live()?;
+        // SAFETY: the caller guarantees the buffers; the communicator is live (checked above).
         let status = unsafe {
             (self.mccl.api.mcclAllReduce)(
                 send.as_raw() as *const c_void,
@@ -428,7 +486,8 @@ impl MacaCommunicator {
         dtype: McclDataType,
         stream: StreamHandle,
     ) -> Result<(), McclError> {
-        // SAFETY: the caller guarantees the buffers; the communicator is live.
+        self.live()?;
+        // SAFETY: the caller guarantees the buffers; the communicator is live (checked above).
         let status = unsafe {
             (self.mccl.api.mcclAllGather)(
                 send.as_raw() as *const c_void,
@@ -457,7 +516,8 @@ impl MacaCommunicator {
         op: McclRedOp,
         stream: StreamHandle,
     ) -> Result<(), McclError> {
-        // SAFETY: the caller guarantees the buffers; the communicator is live.
+        self.live()?;
+        // SAFETY: the caller guarantees the buffers; the communicator is live (checked above).
         let status = unsafe {
             (self.mccl.api.mcclReduceScatter)(
                 send.as_raw() as *const c_void,
@@ -487,6 +547,7 @@ impl MacaCommunicator {
         root: usize,
         stream: StreamHandle,
     ) -> Result<(), McclError> {
+        self.live()?;
         if root >= self.world_size {
             return Err(McclError::InvalidArgument(format!("root {root} of a world of {}", self.world_size)));
         }
@@ -509,7 +570,11 @@ impl MacaCommunicator {
 
 impl Drop for MacaCommunicator {
     fn drop(&mut self) {
-        // SAFETY: `self.comm` came from `mcclCommInitRank` and is destroyed once.
+        if self.aborted {
+            return;
+        }
+        // SAFETY: `self.comm` came from `mcclCommInitRank`, was not aborted (checked above), and
+        // is destroyed once.
         let _ = unsafe { (self.mccl.api.mcclCommDestroy)(self.raw()) };
     }
 }

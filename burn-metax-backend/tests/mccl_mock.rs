@@ -1,11 +1,12 @@
 //! Tier-2 tests: the MCCL bindings (`libmccl.so` loader, error mapping, collectives) against the
-//! mock, which implements the collectives for a world of one rank as stream-ordered copies.
+//! mock, for a world of one rank (its collectives are then stream-ordered copies). Several ranks:
+//! `collective_mock.rs`.
 
 mod common;
 
 use std::sync::Arc;
 
-use burn_metax_backend::driver::{Driver, DriverError, MacaDriver};
+use burn_metax_backend::driver::{Driver, DriverError, MacaDriver, StreamHandle};
 use burn_metax_backend::mccl::{
     MCCL_UNIQUE_ID_BYTES, MacaCommunicator, Mccl, McclDataType, McclError, McclRedOp, McclUniqueId,
 };
@@ -48,7 +49,7 @@ fn communicator_of_one_rank() {
     let bogus = McclUniqueId::from_bytes([7; MCCL_UNIQUE_ID_BYTES]);
     let err = MacaCommunicator::init_rank(m.clone(), 1, &bogus, 0).expect_err("bogus id");
     assert_eq!(err.to_string(), "mcclCommInitRank failed: mcclInvalidArgument (4): invalid argument");
-    // The mock cannot host a second rank: "invalid usage".
+    // The id is taken by a world of one: joining it as a world of two is "invalid usage".
     let err = MacaCommunicator::init_rank(m, 2, &id, 0).expect_err("world of two");
     match err {
         McclError::Call { call, code, name, message } => {
@@ -145,4 +146,26 @@ fn collectives_of_one_rank_are_stream_ordered_copies() {
     // SAFETY: the stream is idle.
     unsafe { d.free(send) }.expect("free");
     d.stream_destroy(s).expect("destroy");
+}
+
+#[test]
+fn an_aborted_communicator_refuses_collectives() {
+    let m = mccl();
+    assert!(m.has_abort(), "the mock exports mcclCommAbort");
+    let id = m.unique_id().expect("id");
+    let mut comm = MacaCommunicator::from_unique_id(m.clone(), id.to_bytes(), 0, 1).expect("init");
+    let d = MacaDriver::load_from(mock_root_with_mccl()).expect("driver");
+    let buf = d.malloc(16).expect("malloc");
+    comm.abort().expect("abort");
+    comm.abort().expect("aborting twice is a no-op");
+    assert!(comm.is_aborted());
+    // SAFETY: `buf` holds 4 f32; nothing is queued (the call is refused).
+    let err =
+        unsafe { comm.all_reduce(buf, buf, 4, McclDataType::Float32, McclRedOp::Sum, StreamHandle::DEFAULT) }
+            .expect_err("aborted");
+    assert!(matches!(err, McclError::InvalidArgument(_)), "{err}");
+    assert!(matches!(comm.query(), Some(Err(McclError::InvalidArgument(_)))));
+    drop(comm);
+    // SAFETY: nothing uses `buf`.
+    unsafe { d.free(buf) }.expect("free");
 }

@@ -3,7 +3,7 @@
 //! Each test runs the real `xtask` binary under `mpirun`, as users do.
 #![cfg(feature = "mpi")]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 

@@ -15,7 +15,22 @@
 //! * Launches are validated and recorded; kernels do nothing.
 //! * Errors can be injected per thread with `mcmockInjectError`, or for the whole process with
 //!   `MCMOCK_INJECT=symbol=code[,symbol=code…]`.
-//! * `MCMOCK_DEVICE_COUNT` sets the number of devices (default 1).
+//! * `MCMOCK_DEVICE_COUNT` sets the number of devices (default 1); `mcmockSetDeviceCount`
+//!   overrides it. Devices share one memory map: the device index is only validated.
+//! * MCCL (`mccl*`, the same library installed as `libmccl.so`): ranks of one process (threads)
+//!   that call `mcclCommInitRank` with the same unique id rendezvous (the call blocks until all
+//!   have joined) and run real collectives on the mock's device memory: all-gather,
+//!   reduce-scatter, all-reduce (sum/prod/max/min/avg on f16, bf16, f32, f64; floats of 16 and
+//!   32 bits accumulate in f32 in rank order, f64 in f64) and broadcast. A collective is queued
+//!   on its stream like a copy and runs when every rank's queue has reached it, so a wait for it
+//!   blocks (releasing the mock's lock) until the peers have queued theirs, or their
+//!   communicators were aborted (`mcclCommAbort`: its own queued collectives complete without
+//!   data; the peers' never complete). Blocking waits give up after `MCMOCK_MAX_BLOCK_MS`
+//!   (default 120 000) with `mcErrorTimeout` (909).
+//! * `mcmockSetQueryProgress(1)` makes `mcEventQuery` run the work the event waits for when it
+//!   can (as a real device runs queued work on its own); by default a query runs nothing.
+//! * An order log (`mcmockOrderLog*`) records, in call order, stream waits on events (with the
+//!   stream the event was recorded on), event records and queued collectives.
 //!
 //! Control and inspection functions are exported with the `mcmock` prefix.
 #![allow(non_snake_case)]
@@ -25,9 +40,10 @@ use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::ThreadId;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 // ---- status codes (mcError_t) -------------------------------------------------------------------
 const SUCCESS: c_int = 0;
@@ -39,6 +55,7 @@ const INVALID_KERNEL_IMAGE: c_int = 200;
 const INVALID_HANDLE: c_int = 400;
 const SYMBOL_NOT_FOUND: c_int = 500;
 const NOT_READY: c_int = 600;
+const TIMEOUT: c_int = 909;
 
 const RTC_SUCCESS: c_int = 0;
 const RTC_INVALID_INPUT: c_int = 3;
@@ -56,6 +73,8 @@ enum Op {
     Mark { event: usize },
     Launch,
     Free { addr: usize },
+    /// Round `round` of the collectives of communicator `comm`.
+    Coll { comm: usize, round: u64 },
 }
 
 #[derive(Default)]
@@ -95,9 +114,57 @@ struct State {
     modules: HashMap<usize, Vec<String>>,
     functions: HashMap<usize, (usize, String)>,
     programs: HashMap<usize, Program>,
+    comms: HashMap<usize, CommInfo>,
+    cliques: HashMap<[u8; 128], Clique>,
 }
 
 static STATE: Mutex<Option<State>> = Mutex::new(None);
+/// Signalled when a collective is queued or a communicator joins, is aborted or destroyed: the
+/// events a blocked wait may be waiting for.
+static PROGRESS: Condvar = Condvar::new();
+/// `mcmockSetQueryProgress`.
+static QUERY_PROGRESS: AtomicBool = AtomicBool::new(false);
+/// `mcmockSetDeviceCount` (0: `MCMOCK_DEVICE_COUNT` or 1).
+static DEVICE_COUNT: AtomicUsize = AtomicUsize::new(0);
+/// The order log: `(kind, stream, other)`, see `mcmockOrderLogEntry`.
+static ORDER_LOG: Mutex<Vec<(c_int, usize, usize)>> = Mutex::new(Vec::new());
+
+const LOG_WAIT: c_int = 1;
+const LOG_RECORD: c_int = 2;
+const LOG_COLLECTIVE: c_int = 3;
+
+fn log_order(kind: c_int, stream: usize, other: usize) {
+    ORDER_LOG.lock().unwrap_or_else(|e| e.into_inner()).push((kind, stream, other));
+}
+
+fn max_block() -> Duration {
+    static MS: OnceLock<u64> = OnceLock::new();
+    Duration::from_millis(
+        *MS.get_or_init(|| std::env::var("MCMOCK_MAX_BLOCK_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(120_000)),
+    )
+}
+
+/// Runs `attempt` until it reports completion, waiting (with the lock released) for other
+/// threads to make progress in between. Returns the guard and whether `attempt` completed
+/// before `max_block()`.
+fn block_until(
+    mut guard: MutexGuard<'static, Option<State>>,
+    mut attempt: impl FnMut(&mut State) -> bool,
+) -> (MutexGuard<'static, Option<State>>, bool) {
+    let deadline = Instant::now() + max_block();
+    loop {
+        let done = guard.as_mut().is_none_or(&mut attempt);
+        if done {
+            return (guard, true);
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return (guard, false);
+        }
+        let pause = (deadline - now).min(Duration::from_millis(10));
+        guard = PROGRESS.wait_timeout(guard, pause).unwrap_or_else(|e| e.into_inner()).0;
+    }
+}
 static NEXT_HANDLE: AtomicUsize = AtomicUsize::new(0x1000);
 static TOTAL_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 
@@ -212,7 +279,10 @@ macro_rules! inject {
 }
 
 fn device_count() -> c_int {
-    std::env::var("MCMOCK_DEVICE_COUNT").ok().and_then(|v| v.parse().ok()).unwrap_or(1)
+    match DEVICE_COUNT.load(Ordering::Relaxed) {
+        0 => std::env::var("MCMOCK_DEVICE_COUNT").ok().and_then(|v| v.parse().ok()).unwrap_or(1),
+        n => c_int::try_from(n).unwrap_or(c_int::MAX),
+    }
 }
 
 // ---- deferred execution ---------------------------------------------------------------------------
@@ -275,57 +345,93 @@ impl State {
         Ok(s.next_seq)
     }
 
-    /// Runs `stream`'s queued work up to and including sequence number `upto`.
-    fn flush(&mut self, stream: usize, upto: u64) {
+    /// Runs `stream`'s queued work up to and including sequence number `upto`. Returns whether
+    /// it got there: `false` when it is blocked on a collective whose peers have not queued
+    /// theirs yet (the work before it has run).
+    fn flush(&mut self, stream: usize, upto: u64) -> bool {
+        thread_local! {
+            static DEPTH: Cell<u32> = const { Cell::new(0) };
+        }
+        // Cyclic waits between streams are a deadlock on a real device too: give up.
+        if DEPTH.with(Cell::get) > 256 {
+            return false;
+        }
+        DEPTH.with(|d| d.set(d.get() + 1));
+        let reached = self.flush_inner(stream, upto);
+        DEPTH.with(|d| d.set(d.get() - 1));
+        reached
+    }
+
+    fn flush_inner(&mut self, stream: usize, upto: u64) -> bool {
         loop {
-            let Some(s) = self.streams.get_mut(&stream) else { return };
-            match s.queue.front() {
-                Some((seq, _)) if *seq <= upto => {}
-                _ => return,
+            let Some(s) = self.streams.get(&stream) else { return true };
+            let (seq, blocked) = match s.queue.front() {
+                Some((seq, _)) if *seq > upto => return true,
+                None => return true,
+                Some((seq, Op::Wait { stream: other, seq: until })) => {
+                    let (seq, other, until) = (*seq, *other, *until);
+                    (seq, !self.flush(other, until))
+                }
+                Some((seq, Op::Coll { comm, round })) => {
+                    let (seq, comm, round) = (*seq, *comm, *round);
+                    if self.run_collective(stream, seq, comm, round) {
+                        // `run_collective` popped the operation of every participant.
+                        continue;
+                    }
+                    return false;
+                }
+                Some((seq, _)) => (*seq, false),
+            };
+            if blocked {
+                return false;
             }
-            let Some((seq, op)) = s.queue.pop_front() else { return };
+            let Some(s) = self.streams.get_mut(&stream) else { return true };
+            let Some((_, op)) = s.queue.pop_front() else { return true };
+            s.done = seq;
             match op {
                 Op::Copy { dst, src, len } => {
                     // SAFETY: both ranges were validated at enqueue time (device side) or are
                     // guaranteed live by the caller of the async copy (host side).
                     unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len) }
                 }
-                Op::Wait { stream: other, seq } => self.flush(other, seq),
                 Op::Mark { event } => {
                     if let Some(e) = self.events.get_mut(&event) {
                         e.time = Some(Instant::now());
                     }
                 }
-                Op::Launch => {
-                    if let Some(s) = self.streams.get_mut(&stream) {
-                        s.launches_run += 1;
-                    }
-                }
+                Op::Launch => s.launches_run += 1,
                 Op::Free { addr } => {
                     self.device_mem.remove(&addr);
                 }
-            }
-            if let Some(s) = self.streams.get_mut(&stream) {
-                s.done = seq;
+                Op::Wait { .. } | Op::Coll { .. } => {}
             }
         }
     }
 
     /// Device-wide synchronisation (of the calling thread's streams, see [`State::resolve`]).
-    fn flush_all(&mut self) {
+    /// Returns whether every stream got to its end.
+    fn flush_all(&mut self) -> bool {
         let ids: Vec<(usize, u64)> =
             self.streams.iter().filter(|(_, s)| s.owner == me()).map(|(&id, s)| (id, s.tail())).collect();
+        let mut all = true;
         for (id, tail) in ids {
-            self.flush(id, tail);
+            all &= self.flush(id, tail);
         }
+        all
     }
 
-    fn flush_stream(&mut self, stream: usize) -> c_int {
+    /// Runs `stream`'s whole queue; `Err` for an unknown stream.
+    fn flush_stream(&mut self, stream: usize) -> Result<bool, c_int> {
         let stream = self.resolve(stream);
-        let Some(tail) = self.streams.get(&stream).map(Stream::tail) else { return INVALID_HANDLE };
-        self.flush(stream, tail);
-        SUCCESS
+        let Some(tail) = self.streams.get(&stream).map(Stream::tail) else { return Err(INVALID_HANDLE) };
+        Ok(self.flush(stream, tail))
     }
+}
+
+/// A blocking wait of `attempt` (see [`block_until`]) as a runtime status.
+fn wait_status(guard: MutexGuard<'static, Option<State>>, attempt: impl FnMut(&mut State) -> bool) -> c_int {
+    let (_guard, done) = block_until(guard, attempt);
+    if done { SUCCESS } else { TIMEOUT }
 }
 
 // ---- devices ---------------------------------------------------------------------------------------
@@ -399,10 +505,7 @@ pub unsafe extern "C" fn mcDeviceGetName(name: *mut c_char, len: c_int, device: 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn mcDeviceSynchronize() -> c_int {
     inject!("mcDeviceSynchronize");
-    with_state!(|s| {
-        s.flush_all();
-        SUCCESS
-    })
+    wait_status(state(), State::flush_all)
 }
 
 #[unsafe(no_mangle)]
@@ -498,14 +601,15 @@ pub unsafe extern "C" fn mcFree(ptr: *mut c_void) -> c_int {
     if ptr.is_null() {
         return SUCCESS;
     }
-    with_state!(|s| {
-        // Like the real runtime, freeing synchronises the device first.
-        s.flush_all();
-        match s.device_mem.remove(&(ptr as usize)) {
-            Some(_) => SUCCESS,
-            None => INVALID_VALUE,
-        }
-    })
+    // Like the real runtime, freeing synchronises the device first.
+    let (mut guard, done) = block_until(state(), State::flush_all);
+    if !done {
+        return TIMEOUT;
+    }
+    match guard.as_mut().and_then(|s| s.device_mem.remove(&(ptr as usize))) {
+        Some(_) => SUCCESS,
+        None => INVALID_VALUE,
+    }
 }
 
 #[unsafe(no_mangle)]
@@ -541,13 +645,14 @@ pub unsafe extern "C" fn mcMallocHost(ptr: *mut *mut c_void, size: usize) -> c_i
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn mcFreeHost(ptr: *mut c_void) -> c_int {
     inject!("mcFreeHost");
-    with_state!(|s| {
-        s.flush_all();
-        match s.host_mem.remove(&(ptr as usize)) {
-            Some(_) => SUCCESS,
-            None => INVALID_VALUE,
-        }
-    })
+    let (mut guard, done) = block_until(state(), State::flush_all);
+    if !done {
+        return TIMEOUT;
+    }
+    match guard.as_mut().and_then(|s| s.host_mem.remove(&(ptr as usize))) {
+        Some(_) => SUCCESS,
+        None => INVALID_VALUE,
+    }
 }
 
 /// Validates a copy and queues it on `stream`.
@@ -576,15 +681,18 @@ fn queue_copy(s: &mut State, dst: usize, src: usize, len: usize, kind: c_int, st
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn mcMemcpy(dst: *mut c_void, src: *const c_void, len: usize, kind: c_int) -> c_int {
     inject!("mcMemcpy");
-    with_state!(|s| {
-        // Legacy default-stream semantics: queued after (and ordered with) blocking streams'
-        // work only, then run to completion.
-        let status = queue_copy(s, dst as usize, src as usize, len, kind, 0);
-        if status == SUCCESS {
-            s.flush_stream(0);
-        }
-        status
-    })
+    // Legacy default-stream semantics: queued after (and ordered with) blocking streams' work
+    // only, then run to completion.
+    let guard = state();
+    let mut guard = guard;
+    let status = match guard.as_mut() {
+        Some(s) => queue_copy(s, dst as usize, src as usize, len, kind, 0),
+        None => INVALID_VALUE,
+    };
+    if status != SUCCESS {
+        return status;
+    }
+    wait_status(guard, |s| s.flush_stream(0).unwrap_or(true))
 }
 
 #[unsafe(no_mangle)]
@@ -620,21 +728,31 @@ pub unsafe extern "C" fn mcStreamCreateWithFlags(stream: *mut *mut c_void, flags
 pub unsafe extern "C" fn mcStreamDestroy(stream: *mut c_void) -> c_int {
     inject!("mcStreamDestroy");
     let id = stream as usize;
-    with_state!(|s| {
-        if id == 0 || id == DEFAULT_STREAM.with(Cell::get) || !s.streams.contains_key(&id) {
-            return INVALID_HANDLE;
-        }
-        // Queued work still completes.
-        s.flush_stream(id);
+    let guard = state();
+    let known = guard.as_ref().is_some_and(|s| s.streams.contains_key(&id));
+    if id == 0 || id == DEFAULT_STREAM.with(Cell::get) || !known {
+        return INVALID_HANDLE;
+    }
+    // Queued work still completes.
+    let (mut guard, done) = block_until(guard, |s| s.flush_stream(id).unwrap_or(true));
+    if !done {
+        return TIMEOUT;
+    }
+    if let Some(s) = guard.as_mut() {
         s.streams.remove(&id);
-        SUCCESS
-    })
+    }
+    SUCCESS
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn mcStreamSynchronize(stream: *mut c_void) -> c_int {
     inject!("mcStreamSynchronize");
-    with_state!(|s| s.flush_stream(stream as usize))
+    let mut guard = state();
+    let known = guard.as_mut().is_some_and(|s| s.flush_stream(stream as usize).is_ok());
+    if !known {
+        return INVALID_HANDLE;
+    }
+    wait_status(guard, |s| s.flush_stream(stream as usize).unwrap_or(true))
 }
 
 #[unsafe(no_mangle)]
@@ -645,7 +763,10 @@ pub unsafe extern "C" fn mcStreamWaitEvent(stream: *mut c_void, event: *mut c_vo
         let Some(e) = s.events.get(&(event as usize)) else { return INVALID_HANDLE };
         match e.recorded {
             Some((other, seq)) => match s.enqueue(stream, Op::Wait { stream: other, seq }) {
-                Ok(_) => SUCCESS,
+                Ok(_) => {
+                    log_order(LOG_WAIT, stream, other);
+                    SUCCESS
+                }
                 Err(code) => code,
             },
             None if s.streams.contains_key(&stream) => SUCCESS,
@@ -693,6 +814,7 @@ pub unsafe extern "C" fn mcEventRecord(event: *mut c_void, stream: *mut c_void) 
                     e.recorded = Some((stream, seq));
                     e.time = None;
                 }
+                log_order(LOG_RECORD, stream, id);
                 SUCCESS
             }
             Err(code) => code,
@@ -703,13 +825,14 @@ pub unsafe extern "C" fn mcEventRecord(event: *mut c_void, stream: *mut c_void) 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn mcEventSynchronize(event: *mut c_void) -> c_int {
     inject!("mcEventSynchronize");
-    with_state!(|s| {
-        let Some(e) = s.events.get(&(event as usize)) else { return INVALID_HANDLE };
-        if let Some((stream, seq)) = e.recorded {
-            s.flush(stream, seq);
-        }
-        SUCCESS
-    })
+    let guard = state();
+    let Some(recorded) = guard.as_ref().and_then(|s| s.events.get(&(event as usize))).map(|e| e.recorded) else {
+        return INVALID_HANDLE;
+    };
+    match recorded {
+        Some((stream, seq)) => wait_status(guard, |s| s.flush(stream, seq)),
+        None => SUCCESS,
+    }
 }
 
 #[unsafe(no_mangle)]
@@ -717,7 +840,14 @@ pub unsafe extern "C" fn mcEventQuery(event: *mut c_void) -> c_int {
     inject!("mcEventQuery");
     with_state!(|s| {
         let Some(e) = s.events.get(&(event as usize)) else { return INVALID_HANDLE };
-        match e.recorded {
+        let recorded = e.recorded;
+        if let Some((stream, seq)) = recorded
+            && QUERY_PROGRESS.load(Ordering::Relaxed)
+        {
+            // Runs what it can, without blocking (a real device runs queued work on its own).
+            s.flush(stream, seq);
+        }
+        match recorded {
             Some((stream, seq)) if s.streams.get(&stream).is_some_and(|st| st.done < seq) => NOT_READY,
             _ => SUCCESS,
         }
@@ -1191,12 +1321,13 @@ pub extern "C" fn mcmockTotalMallocs() -> u64 {
 
 // ---- MCCL (libmccl.so) ------------------------------------------------------------------------------
 //
-// The tests install this same library a second time as `lib/libmccl.so`. Collectives are
-// implemented for a world of one rank: each is a device-to-device copy queued on the stream.
+// The tests install this same library a second time as `lib/libmccl.so`. Ranks are threads of
+// this process; see the module documentation.
 
 const MCCL_SUCCESS: c_int = 0;
 const MCCL_INVALID_ARGUMENT: c_int = 4;
 const MCCL_INVALID_USAGE: c_int = 5;
+const MCCL_REMOTE_ERROR: c_int = 6;
 const MCCL_ID_MAGIC: &[u8; 8] = b"MCMOCKID";
 
 /// `mcclUniqueId` (128 opaque bytes, passed by value to `mcclCommInitRank`).
@@ -1206,7 +1337,59 @@ pub struct McclUniqueId {
     pub internal: [c_char; 128],
 }
 
-static COMMS: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+/// One rank's communicator.
+struct CommInfo {
+    clique: [u8; 128],
+    rank: usize,
+    next_round: u64,
+    aborted: bool,
+    destroyed: bool,
+}
+
+/// The ranks that joined with one unique id, and their collectives not yet run.
+struct Clique {
+    members: Vec<Option<usize>>,
+    rounds: HashMap<u64, Vec<Option<Part>>>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kind {
+    AllGather,
+    ReduceScatter,
+    AllReduce,
+    Broadcast,
+}
+
+/// One rank's part of a collective.
+#[derive(Clone, Copy, Debug)]
+struct Part {
+    kind: Kind,
+    comm: usize,
+    rank: usize,
+    send: usize,
+    recv: usize,
+    /// Elements per rank: all-gather's send count, reduce-scatter's receive count, all-reduce's
+    /// and broadcast's count.
+    count: usize,
+    datatype: c_int,
+    op: c_int,
+    root: usize,
+    stream: usize,
+    seq: u64,
+}
+
+impl Part {
+    /// Bytes read from `send` and written to `recv`.
+    fn lengths(&self, world: usize, size: usize) -> (usize, usize) {
+        let n = self.count * size;
+        match self.kind {
+            Kind::AllGather => (n, n * world),
+            Kind::ReduceScatter => (n * world, n),
+            Kind::AllReduce => (n, n),
+            Kind::Broadcast => (if self.rank == self.root { n } else { 0 }, n),
+        }
+    }
+}
 
 fn mccl_type_size(datatype: c_int) -> Option<usize> {
     match datatype {
@@ -1218,32 +1401,307 @@ fn mccl_type_size(datatype: c_int) -> Option<usize> {
     }
 }
 
-fn mccl_comm_ok(comm: *mut c_void) -> bool {
-    COMMS.lock().unwrap_or_else(|e| e.into_inner()).contains(&(comm as usize))
+fn f16_to_f32(h: u16) -> f32 {
+    let sign = if h & 0x8000 != 0 { -1.0 } else { 1.0 };
+    let exp = u32::from((h >> 10) & 0x1f);
+    let mant = u32::from(h & 0x3ff);
+    match exp {
+        0 => sign * mant as f32 * 2f32.powi(-24),
+        31 if mant == 0 => sign * f32::INFINITY,
+        31 => f32::NAN,
+        _ => f32::from_bits((u32::from(h & 0x8000) << 16) | ((exp + 112) << 23) | (mant << 13)),
+    }
 }
 
-/// A world-of-one collective: copies `count` elements from `send` to `recv` on `stream`.
-fn mccl_copy(
+fn round_half_even(m: f32) -> f32 {
+    let f = m.floor();
+    let d = m - f;
+    if d > 0.5 || (d == 0.5 && f % 2.0 == 1.0) { f + 1.0 } else { f }
+}
+
+fn f32_to_f16(x: f32) -> u16 {
+    let bits = x.to_bits();
+    let sign = ((bits >> 16) & 0x8000) as u16;
+    if x.is_nan() {
+        return sign | 0x7e00;
+    }
+    let a = x.abs();
+    if a >= 65520.0 {
+        return sign | 0x7c00;
+    }
+    if a < 2f32.powi(-14) {
+        // Subnormal (or zero) in f16: a multiple of 2^-24, scaled exactly.
+        return sign | round_half_even(a * 2f32.powi(24)) as u16;
+    }
+    let exp = ((bits >> 23) & 0xff) - 112;
+    let mant = bits & 0x7f_ffff;
+    let mut h = (exp << 10) | (mant >> 13);
+    let rest = mant & 0x1fff;
+    if rest > 0x1000 || (rest == 0x1000 && h & 1 == 1) {
+        h += 1;
+    }
+    sign | h as u16
+}
+
+fn bf16_to_f32(b: u16) -> f32 {
+    f32::from_bits(u32::from(b) << 16)
+}
+
+fn f32_to_bf16(x: f32) -> u16 {
+    let bits = x.to_bits();
+    if x.is_nan() {
+        return ((bits >> 16) as u16) | 0x40;
+    }
+    let lsb = (bits >> 16) & 1;
+    (bits.wrapping_add(0x7fff + lsb) >> 16) as u16
+}
+
+/// Elements of a 16- or 32-bit float type as f32.
+fn decode_f32(datatype: c_int, bytes: &[u8]) -> Vec<f32> {
+    match datatype {
+        6 => bytes.chunks_exact(2).map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect(),
+        9 => bytes.chunks_exact(2).map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect(),
+        _ => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+    }
+}
+
+fn encode_f32(datatype: c_int, values: &[f32]) -> Vec<u8> {
+    match datatype {
+        6 => values.iter().flat_map(|v| f32_to_f16(*v).to_le_bytes()).collect(),
+        9 => values.iter().flat_map(|v| f32_to_bf16(*v).to_le_bytes()).collect(),
+        _ => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    }
+}
+
+/// Reduces `parts` (rank order) element by element with `op` (sum 0, prod 1, max 2, min 3,
+/// avg 4), accumulating in `T`.
+fn reduce<T>(parts: &[Vec<T>], op: c_int, world: T) -> Vec<T>
+where
+    T: Copy + PartialOrd + std::ops::Add<Output = T> + std::ops::Mul<Output = T> + std::ops::Div<Output = T>,
+{
+    let mut acc = parts[0].clone();
+    for part in &parts[1..] {
+        for (a, &b) in acc.iter_mut().zip(part) {
+            *a = match op {
+                1 => *a * b,
+                2 => {
+                    if b > *a {
+                        b
+                    } else {
+                        *a
+                    }
+                }
+                3 => {
+                    if b < *a {
+                        b
+                    } else {
+                        *a
+                    }
+                }
+                _ => *a + b,
+            };
+        }
+    }
+    if op == 4 {
+        for a in &mut acc {
+            *a = *a / world;
+        }
+    }
+    acc
+}
+
+/// The reduction of the ranks' send buffers, as bytes of `datatype`.
+fn reduce_bytes(datatype: c_int, op: c_int, sends: &[Vec<u8>]) -> Vec<u8> {
+    let world = sends.len();
+    if datatype == 8 {
+        let parts: Vec<Vec<f64>> = sends
+            .iter()
+            .map(|b| b.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8]))).collect())
+            .collect();
+        reduce(&parts, op, world as f64).iter().flat_map(|v| v.to_le_bytes()).collect()
+    } else {
+        let parts: Vec<Vec<f32>> = sends.iter().map(|b| decode_f32(datatype, b)).collect();
+        encode_f32(datatype, &reduce(&parts, op, world as f32))
+    }
+}
+
+impl State {
+    fn comm_live(&self, comm: usize) -> bool {
+        self.comms.get(&comm).is_some_and(|c| !c.aborted && !c.destroyed)
+    }
+
+    /// Pops `stream`'s front operation if it is number `seq`, marking it done.
+    fn pop_done(&mut self, stream: usize, seq: u64) {
+        if let Some(s) = self.streams.get_mut(&stream)
+            && s.queue.front().is_some_and(|(q, _)| *q == seq)
+        {
+            s.queue.pop_front();
+            s.done = seq;
+        }
+    }
+
+    /// Runs round `round` of `comm`'s collectives, whose operation is number `seq` at the front of
+    /// `stream`: once every rank has queued its part and every rank's stream has reached it.
+    /// Pops the operation of every participant and returns `true`, or returns `false` (blocked).
+    fn run_collective(&mut self, stream: usize, seq: u64, comm: usize, round: u64) -> bool {
+        if !self.comm_live(comm) {
+            // Aborted or destroyed: completes without data.
+            self.pop_done(stream, seq);
+            return true;
+        }
+        let Some(key) = self.comms.get(&comm).map(|c| c.clique) else { return false };
+        let parts: Vec<Part> = match self.cliques.get(&key).and_then(|c| c.rounds.get(&round)) {
+            Some(parts) if parts.iter().all(Option::is_some) => parts.iter().flatten().copied().collect(),
+            _ => return false,
+        };
+        if parts.iter().any(|p| !self.comm_live(p.comm)) {
+            // A peer aborted: this round never completes (the caller's timeout handles it).
+            return false;
+        }
+        for p in &parts {
+            if (p.stream, p.seq) == (stream, seq) {
+                continue;
+            }
+            if !self.flush(p.stream, p.seq - 1) {
+                return false;
+            }
+            let ready = self.streams.get(&p.stream).and_then(|s| s.queue.front()).is_some_and(|(q, _)| *q == p.seq);
+            if !ready {
+                return false;
+            }
+        }
+        self.execute(&parts);
+        for p in &parts {
+            self.pop_done(p.stream, p.seq);
+        }
+        if let Some(clique) = self.cliques.get_mut(&key) {
+            clique.rounds.remove(&round);
+        }
+        PROGRESS.notify_all();
+        true
+    }
+
+    /// Computes a round's results into every rank's receive buffer.
+    fn execute(&mut self, parts: &[Part]) {
+        let first = parts[0];
+        let world = parts.len();
+        let matched = parts.iter().all(|p| {
+            (p.kind, p.count, p.datatype, p.op, p.root) == (first.kind, first.count, first.datatype, first.op, first.root)
+        });
+        let Some(size) = mccl_type_size(first.datatype) else { return };
+        if !matched {
+            eprintln!("mock MCCL: ranks issued different collectives in one round: {parts:?}");
+            return;
+        }
+        // Every buffer is checked again: it was valid when queued but may have been freed since.
+        for p in parts {
+            let (send_len, recv_len) = p.lengths(world, size);
+            if (send_len > 0 && !self.in_device_range(p.send, send_len)) || !self.in_device_range(p.recv, recv_len) {
+                eprintln!("mock MCCL: a buffer of {:?} was freed before the collective ran", p.kind);
+                return;
+            }
+        }
+        let read = |p: &Part, len: usize| -> Vec<u8> {
+            // SAFETY: `p.send..p.send+len` lies in a live device allocation (checked above).
+            unsafe { std::slice::from_raw_parts(p.send as *const u8, len) }.to_vec()
+        };
+        let n = first.count * size;
+        let outputs: Vec<Vec<u8>> = match first.kind {
+            Kind::AllGather => {
+                let all: Vec<u8> = parts.iter().flat_map(|p| read(p, n)).collect();
+                vec![all; world]
+            }
+            Kind::Broadcast => {
+                let Some(root) = parts.iter().find(|p| p.rank == first.root) else { return };
+                vec![read(root, n); world]
+            }
+            Kind::AllReduce => {
+                let sends: Vec<Vec<u8>> = parts.iter().map(|p| read(p, n)).collect();
+                vec![reduce_bytes(first.datatype, first.op, &sends); world]
+            }
+            Kind::ReduceScatter => {
+                let sends: Vec<Vec<u8>> = parts.iter().map(|p| read(p, n * world)).collect();
+                let all = reduce_bytes(first.datatype, first.op, &sends);
+                parts.iter().map(|p| all[p.rank * n..(p.rank + 1) * n].to_vec()).collect()
+            }
+        };
+        for (p, out) in parts.iter().zip(outputs) {
+            // SAFETY: `p.recv..p.recv+out.len()` lies in a live device allocation (checked above:
+            // `out.len()` is the receive length); `out` is a separate host buffer.
+            unsafe { std::ptr::copy_nonoverlapping(out.as_ptr(), p.recv as *mut u8, out.len()) }
+        }
+    }
+}
+
+/// Validates and queues one rank's part of a collective on `stream`.
+#[allow(clippy::too_many_arguments)]
+fn mccl_queue(
+    kind: Kind,
     send: *const c_void,
     recv: *mut c_void,
     count: usize,
     datatype: c_int,
+    op: c_int,
+    root: c_int,
     comm: *mut c_void,
     stream: *mut c_void,
 ) -> c_int {
     let Some(size) = mccl_type_size(datatype) else { return MCCL_INVALID_ARGUMENT };
-    if !mccl_comm_ok(comm) {
+    let reduces = matches!(kind, Kind::AllReduce | Kind::ReduceScatter);
+    // The mock reduces floating-point types only.
+    if reduces && (!(0..=4).contains(&op) || !matches!(datatype, 6..=9)) {
         return MCCL_INVALID_ARGUMENT;
-    }
-    if std::ptr::eq(send, recv.cast_const()) || count == 0 {
-        return MCCL_SUCCESS;
     }
     let mut guard = state();
     let Some(s) = guard.as_mut() else { return MCCL_INVALID_ARGUMENT };
-    match queue_copy(s, recv as usize, send as usize, count * size, 3, stream as usize) {
-        SUCCESS => MCCL_SUCCESS,
-        _ => MCCL_INVALID_ARGUMENT,
+    let comm = comm as usize;
+    if !s.comm_live(comm) {
+        return MCCL_INVALID_ARGUMENT;
     }
+    let Some((key, rank)) = s.comms.get(&comm).map(|c| (c.clique, c.rank)) else { return MCCL_INVALID_ARGUMENT };
+    let world = s.cliques.get(&key).map_or(0, |c| c.members.len());
+    let Ok(root) = usize::try_from(root) else { return MCCL_INVALID_ARGUMENT };
+    if kind == Kind::Broadcast && root >= world {
+        return MCCL_INVALID_ARGUMENT;
+    }
+    if count == 0 {
+        return MCCL_SUCCESS;
+    }
+    let stream = s.resolve(stream as usize);
+    let mut part = Part {
+        kind,
+        comm,
+        rank,
+        send: send as usize,
+        recv: recv as usize,
+        count,
+        datatype,
+        op,
+        root,
+        stream,
+        seq: 0,
+    };
+    let (send_len, recv_len) = part.lengths(world, size);
+    if (send_len > 0 && !s.in_device_range(part.send, send_len)) || !s.in_device_range(part.recv, recv_len) {
+        return MCCL_INVALID_ARGUMENT;
+    }
+    let Some(round) = s.comms.get_mut(&comm).map(|c| {
+        c.next_round += 1;
+        c.next_round - 1
+    }) else {
+        return MCCL_INVALID_ARGUMENT;
+    };
+    part.seq = match s.enqueue(stream, Op::Coll { comm, round }) {
+        Ok(seq) => seq,
+        Err(_) => return MCCL_INVALID_ARGUMENT,
+    };
+    if let Some(clique) = s.cliques.get_mut(&key) {
+        let parts = clique.rounds.entry(round).or_insert_with(|| vec![None; world]);
+        parts[rank] = Some(part);
+    }
+    log_order(LOG_COLLECTIVE, stream, comm);
+    PROGRESS.notify_all();
+    MCCL_SUCCESS
 }
 
 #[unsafe(no_mangle)]
@@ -1276,6 +1734,7 @@ pub unsafe extern "C" fn mcclGetUniqueId(id: *mut McclUniqueId) -> c_int {
     MCCL_SUCCESS
 }
 
+/// Joins the clique of `id` as `rank` of `nranks` and waits until every rank has joined.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn mcclCommInitRank(
     comm: *mut *mut c_void,
@@ -1290,12 +1749,31 @@ pub unsafe extern "C" fn mcclCommInitRank(
     if id.internal[..8].iter().zip(MCCL_ID_MAGIC).any(|(a, b)| *a as u8 != *b) {
         return MCCL_INVALID_ARGUMENT;
     }
-    if nranks != 1 {
-        // A single process cannot host the other ranks of this mock.
+    let key: [u8; 128] = id.internal.map(|c| c as u8);
+    let (world, rank) = (nranks as usize, rank as usize);
+    let handle = new_handle();
+    let mut guard = state();
+    let Some(s) = guard.as_mut() else { return MCCL_INVALID_ARGUMENT };
+    let clique = s.cliques.entry(key).or_insert_with(|| Clique { members: vec![None; world], rounds: HashMap::new() });
+    if clique.members.len() != world || clique.members[rank].is_some() {
+        // Another world size for this id, or the rank is taken.
         return MCCL_INVALID_USAGE;
     }
-    let handle = new_handle();
-    COMMS.lock().unwrap_or_else(|e| e.into_inner()).push(handle);
+    clique.members[rank] = Some(handle);
+    s.comms.insert(handle, CommInfo { clique: key, rank, next_round: 0, aborted: false, destroyed: false });
+    PROGRESS.notify_all();
+    let (mut guard, joined) = block_until(guard, |s| {
+        s.cliques.get(&key).is_some_and(|c| c.members.iter().all(Option::is_some))
+    });
+    if !joined {
+        if let Some(s) = guard.as_mut() {
+            s.comms.remove(&handle);
+            if let Some(c) = s.cliques.get_mut(&key) {
+                c.members[rank] = None;
+            }
+        }
+        return MCCL_REMOTE_ERROR;
+    }
     // SAFETY: checked non-null.
     unsafe { *comm = handle as *mut c_void };
     MCCL_SUCCESS
@@ -1304,35 +1782,60 @@ pub unsafe extern "C" fn mcclCommInitRank(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn mcclCommDestroy(comm: *mut c_void) -> c_int {
     inject!("mcclCommDestroy");
-    let mut comms = COMMS.lock().unwrap_or_else(|e| e.into_inner());
-    match comms.iter().position(|c| *c == comm as usize) {
-        Some(i) => {
-            comms.remove(i);
+    let mut guard = state();
+    let Some(s) = guard.as_mut() else { return MCCL_INVALID_ARGUMENT };
+    match s.comms.get_mut(&(comm as usize)) {
+        Some(c) if !c.destroyed && !c.aborted => {
+            c.destroyed = true;
+            PROGRESS.notify_all();
             MCCL_SUCCESS
         }
-        None => MCCL_INVALID_ARGUMENT,
+        _ => MCCL_INVALID_ARGUMENT,
+    }
+}
+
+/// Aborts a communicator: its queued collectives complete without data; its peers' collectives
+/// with it never complete.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcclCommAbort(comm: *mut c_void) -> c_int {
+    inject!("mcclCommAbort");
+    let mut guard = state();
+    let Some(s) = guard.as_mut() else { return MCCL_INVALID_ARGUMENT };
+    match s.comms.get_mut(&(comm as usize)) {
+        Some(c) if !c.destroyed && !c.aborted => {
+            c.aborted = true;
+            PROGRESS.notify_all();
+            MCCL_SUCCESS
+        }
+        _ => MCCL_INVALID_ARGUMENT,
     }
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn mcclCommCount(comm: *mut c_void, count: *mut c_int) -> c_int {
     inject!("mcclCommCount");
-    if count.is_null() || !mccl_comm_ok(comm) {
+    let guard = state();
+    let Some(s) = guard.as_ref() else { return MCCL_INVALID_ARGUMENT };
+    if count.is_null() || !s.comm_live(comm as usize) {
         return MCCL_INVALID_ARGUMENT;
     }
+    let world = s.comms.get(&(comm as usize)).and_then(|c| s.cliques.get(&c.clique)).map_or(0, |c| c.members.len());
     // SAFETY: checked non-null.
-    unsafe { *count = 1 };
+    unsafe { *count = world as c_int };
     MCCL_SUCCESS
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn mcclCommUserRank(comm: *mut c_void, rank: *mut c_int) -> c_int {
     inject!("mcclCommUserRank");
-    if rank.is_null() || !mccl_comm_ok(comm) {
+    let guard = state();
+    let Some(s) = guard.as_ref() else { return MCCL_INVALID_ARGUMENT };
+    if rank.is_null() || !s.comm_live(comm as usize) {
         return MCCL_INVALID_ARGUMENT;
     }
+    let r = s.comms.get(&(comm as usize)).map_or(0, |c| c.rank);
     // SAFETY: checked non-null.
-    unsafe { *rank = 0 };
+    unsafe { *rank = r as c_int };
     MCCL_SUCCESS
 }
 
@@ -1347,10 +1850,7 @@ pub unsafe extern "C" fn mcclAllReduce(
     stream: *mut c_void,
 ) -> c_int {
     inject!("mcclAllReduce");
-    if !(0..=4).contains(&op) {
-        return MCCL_INVALID_ARGUMENT;
-    }
-    mccl_copy(send, recv, count, datatype, comm, stream)
+    mccl_queue(Kind::AllReduce, send, recv, count, datatype, op, 0, comm, stream)
 }
 
 #[unsafe(no_mangle)]
@@ -1363,7 +1863,7 @@ pub unsafe extern "C" fn mcclAllGather(
     stream: *mut c_void,
 ) -> c_int {
     inject!("mcclAllGather");
-    mccl_copy(send, recv, send_count, datatype, comm, stream)
+    mccl_queue(Kind::AllGather, send, recv, send_count, datatype, 0, 0, comm, stream)
 }
 
 #[unsafe(no_mangle)]
@@ -1377,10 +1877,7 @@ pub unsafe extern "C" fn mcclReduceScatter(
     stream: *mut c_void,
 ) -> c_int {
     inject!("mcclReduceScatter");
-    if !(0..=4).contains(&op) {
-        return MCCL_INVALID_ARGUMENT;
-    }
-    mccl_copy(send, recv, recv_count, datatype, comm, stream)
+    mccl_queue(Kind::ReduceScatter, send, recv, recv_count, datatype, op, 0, comm, stream)
 }
 
 #[unsafe(no_mangle)]
@@ -1394,10 +1891,7 @@ pub unsafe extern "C" fn mcclBroadcast(
     stream: *mut c_void,
 ) -> c_int {
     inject!("mcclBroadcast");
-    if root != 0 {
-        return MCCL_INVALID_ARGUMENT;
-    }
-    mccl_copy(send, recv, count, datatype, comm, stream)
+    mccl_queue(Kind::Broadcast, send, recv, count, datatype, 0, root, comm, stream)
 }
 
 #[unsafe(no_mangle)]
@@ -1414,6 +1908,57 @@ pub extern "C" fn mcclGroupEnd() -> c_int {
         return code;
     }
     MCCL_SUCCESS
+}
+
+// ---- control for the collective tests (mock only) ---------------------------------------------------
+
+/// Overrides the device count (`0`: back to `MCMOCK_DEVICE_COUNT` or 1).
+#[unsafe(no_mangle)]
+pub extern "C" fn mcmockSetDeviceCount(count: c_int) {
+    DEVICE_COUNT.store(usize::try_from(count).unwrap_or(0), Ordering::Relaxed);
+}
+
+/// Whether `mcEventQuery` runs the work its event waits for when it can (default off).
+#[unsafe(no_mangle)]
+pub extern "C" fn mcmockSetQueryProgress(on: c_int) {
+    QUERY_PROGRESS.store(on != 0, Ordering::Relaxed);
+}
+
+/// Entries in the order log.
+#[unsafe(no_mangle)]
+pub extern "C" fn mcmockOrderLogLen() -> u64 {
+    ORDER_LOG.lock().unwrap_or_else(|e| e.into_inner()).len() as u64
+}
+
+/// Entry `index` of the order log: `kind` 1 = `stream` waits on an event recorded on `other`
+/// (a stream), 2 = event `other` recorded on `stream`, 3 = a collective of communicator
+/// `other` queued on `stream`. Returns 0 (and writes nothing) if there is no such entry.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn mcmockOrderLogEntry(
+    index: u64,
+    kind: *mut c_int,
+    stream: *mut usize,
+    other: *mut usize,
+) -> c_int {
+    let log = ORDER_LOG.lock().unwrap_or_else(|e| e.into_inner());
+    match log.get(index as usize) {
+        Some(&(k, s, o)) if !kind.is_null() && !stream.is_null() && !other.is_null() => {
+            // SAFETY: checked non-null; the caller passes writable values.
+            unsafe {
+                *kind = k;
+                *stream = s;
+                *other = o;
+            }
+            1
+        }
+        _ => 0,
+    }
+}
+
+/// Empties the order log.
+#[unsafe(no_mangle)]
+pub extern "C" fn mcmockOrderLogClear() {
+    ORDER_LOG.lock().unwrap_or_else(|e| e.into_inner()).clear();
 }
 
 #[unsafe(no_mangle)]

@@ -15,6 +15,7 @@ mod error;
 mod fence;
 mod kernel;
 mod platform;
+pub mod registry;
 pub mod server;
 mod storage;
 mod stream;

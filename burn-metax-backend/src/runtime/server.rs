@@ -160,6 +160,7 @@ impl<P: Platform> GpuServer<P> {
             P::rtc_options(&props),
             properties.clone(),
         );
+        super::registry::register(P::NAME, index, driver.clone(), registry.clone());
         let policy = ContiguousMemoryLayoutPolicy::new(DEVICE_MEMORY_ALIGNMENT);
         let utilities = ServerUtilities::new(properties, logger.clone(), (), policy);
         Ok(Self {

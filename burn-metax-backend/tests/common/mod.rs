@@ -260,3 +260,55 @@ impl Control {
         f()
     }
 }
+
+/// An entry of the mock's order log (see `mcmockOrderLogEntry`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OrderEntry {
+    /// `stream` waits on an event recorded on `on`.
+    Wait { stream: usize, on: usize },
+    /// An event recorded on `stream`.
+    Record { stream: usize },
+    /// A collective queued on `stream`.
+    Collective { stream: usize },
+}
+
+impl Control {
+    /// Overrides the mock's device count.
+    pub fn set_device_count(&self, count: i32) {
+        let f: extern "C" fn(c_int) = self.get("mcmockSetDeviceCount");
+        f(count)
+    }
+
+    /// Whether `mcEventQuery` runs the work it waits for (as a real device does on its own).
+    pub fn set_query_progress(&self, on: bool) {
+        let f: extern "C" fn(c_int) = self.get("mcmockSetQueryProgress");
+        f(c_int::from(on))
+    }
+
+    /// The order log: stream waits, event records and collectives, in call order.
+    pub fn order_log(&self) -> Vec<OrderEntry> {
+        let len: extern "C" fn() -> u64 = self.get("mcmockOrderLogLen");
+        let entry: unsafe extern "C" fn(u64, *mut c_int, *mut usize, *mut usize) -> c_int =
+            self.get("mcmockOrderLogEntry");
+        let mut out = Vec::new();
+        for i in 0..len() {
+            let (mut kind, mut stream, mut other) = (0, 0, 0);
+            // SAFETY: three writable values.
+            if unsafe { entry(i, &mut kind, &mut stream, &mut other) } == 0 {
+                break;
+            }
+            out.push(match kind {
+                1 => OrderEntry::Wait { stream, on: other },
+                2 => OrderEntry::Record { stream },
+                _ => OrderEntry::Collective { stream },
+            });
+        }
+        out
+    }
+
+    /// Empties the order log.
+    pub fn clear_order_log(&self) {
+        let f: extern "C" fn() = self.get("mcmockOrderLogClear");
+        f()
+    }
+}
