@@ -21,7 +21,7 @@ use burn_fsdp::ProcessGroup;
 use burn_fsdp::tcp::{EnvRank, TcpGroup};
 
 use crate::launch::{run_digest, shell_words};
-use crate::train::{Precision, RankGroups, Setup, StepMetrics, Topology, TrainArgs};
+use crate::train::{DeviceKind, Precision, RankGroups, Setup, StepMetrics, Topology, TrainArgs};
 
 /// The environment of rank `rank` of a one-machine job on `port`.
 pub fn rank_env(rank: usize, world: usize, port: u16) -> Vec<(String, String)> {
@@ -196,14 +196,21 @@ impl EnvJob {
         let topology = args.topology();
         let rank = self.env.rank;
         if let Topology::Flat(_) = topology {
-            return Ok(RankGroups { topology, rank, outer: self.world.clone(), inner: None, gate: None });
+            return Ok(RankGroups {
+                topology,
+                rank,
+                outer: self.world.clone(),
+                inner: None,
+                gate: None,
+                device: Default::default(),
+            });
         }
         let (_, i) = topology.dims();
         let (a, b) = (rank / i, rank % i);
         let err = |e: burn_fsdp::CommError| anyhow::anyhow!("splitting the job into the mesh: {e}");
         let inner = self.world.split(a as u32, b as u32).map_err(err)?;
         let outer = self.world.split(b as u32, a as u32).map_err(err)?;
-        Ok(RankGroups { topology, rank, outer, inner: Some(inner), gate: None })
+        Ok(RankGroups { topology, rank, outer, inner: Some(inner), gate: None, device: Default::default() })
     }
 
     /// Runs this rank's share of FSDP training.
@@ -214,18 +221,110 @@ impl EnvJob {
         sink: &crate::train::MetricsSink,
         precision: Precision,
     ) -> Result<Vec<StepMetrics>> {
-        let result = match precision {
-            Precision::Fp32 => self
-                .groups::<crate::Backend>(args)
-                .and_then(|g| crate::train::fsdp_rank::<crate::Backend>(args, &setup, g, sink)),
-            Precision::Bf16 => self
-                .groups::<burn::backend::Flex<f32>>(args)
-                .and_then(|g| crate::train::fsdp_rank::<burn::backend::Flex<f32>>(args, &setup, g, sink)),
+        let result = match args.device {
+            DeviceKind::Cpu => self.train_cpu(args, setup, sink, precision),
+            DeviceKind::Metax => self.train_metax(args, setup, sink),
+            DeviceKind::CudaProxy => self.train_cuda(args, setup, sink),
         };
         result.map_err(|e| {
             let msg = format!("rank {}: {e:#}", self.rank());
             self.abort(&msg);
             anyhow::anyhow!(msg)
         })
+    }
+
+    fn train_cpu(
+        &self,
+        args: &TrainArgs,
+        setup: Setup,
+        sink: &crate::train::MetricsSink,
+        precision: Precision,
+    ) -> Result<Vec<StepMetrics>> {
+        match precision {
+            Precision::Fp32 => self
+                .groups::<crate::Backend>(args)
+                .and_then(|g| crate::train::fsdp_rank::<crate::Backend>(args, &setup, g, sink)),
+            Precision::Bf16 => self
+                .groups::<burn::backend::Flex<f32>>(args)
+                .and_then(|g| crate::train::fsdp_rank::<burn::backend::Flex<f32>>(args, &setup, g, sink)),
+        }
+    }
+
+    /// Rank 0's device-communicator unique id (`make` runs on rank 0 only), sent to every rank
+    /// over the job's TCP connection. A rank 0 that cannot make one fails the job for all.
+    fn unique_id(&self, make: impl FnOnce() -> Result<[u8; 128]>) -> Result<[u8; 128]> {
+        let mine = if self.rank() == 0 { Some(make()?.to_vec()) } else { None };
+        let bytes =
+            self.world.broadcast_bytes(0, mine).map_err(|e| anyhow::anyhow!("sharing the unique id: {e}"))?;
+        bytes.try_into().map_err(|b: Vec<u8>| anyhow::anyhow!("rank 0 sent a {}-byte unique id", b.len()))
+    }
+
+    /// Flat FSDP on this process's GPU with `group` as the world.
+    fn device_groups<B: burn::tensor::backend::Backend>(
+        &self,
+        args: &TrainArgs,
+        group: Arc<dyn ProcessGroup<B>>,
+        device: B::Device,
+    ) -> Result<RankGroups<B>> {
+        let topology = args.topology();
+        if !matches!(topology, Topology::Flat(_)) {
+            bail!("--device with --mesh/--hsdp is not supported yet: device sub-communicators are not built");
+        }
+        Ok(RankGroups { topology, rank: self.rank(), outer: group, inner: None, gate: None, device })
+    }
+
+    /// FSDP on MetaX GPU `LOCAL_RANK` with MCCL.
+    fn train_metax(
+        &self,
+        args: &TrainArgs,
+        setup: Setup,
+        sink: &crate::train::MetricsSink,
+    ) -> Result<Vec<StepMetrics>> {
+        use burn_metax_backend::collective::{MetaxGroup, mccl_unique_id};
+        use burn_metax_backend::mccl::Mccl;
+        let device = burn_metax_backend::MacaDevice::new(self.env.local_rank);
+        let load = || Mccl::load().map(Arc::new).map_err(|e| anyhow::anyhow!("--device metax: {e}"));
+        let id = self.unique_id(|| {
+            let mccl = load()?;
+            mccl_unique_id(&mccl).map_err(|e| anyhow::anyhow!("--device metax: {e}"))
+        })?;
+        let group =
+            MetaxGroup::mccl(device, load()?, id, self.rank(), self.size(), args.collective_timeout()?)
+                .map_err(|e| {
+                    anyhow::anyhow!("--device metax: joining MCCL on MetaX device {}: {e}", device.index)
+                })?;
+        type B = burn_metax_backend::Metax<f32>;
+        let groups = self.device_groups::<B>(args, Arc::new(group), device)?;
+        crate::train::fsdp_rank::<B>(args, &setup, groups, sink)
+    }
+
+    /// FSDP on NVIDIA GPU `LOCAL_RANK` through the CUDA proxy, with NCCL.
+    #[cfg(feature = "cuda")]
+    fn train_cuda(
+        &self,
+        args: &TrainArgs,
+        setup: Setup,
+        sink: &crate::train::MetricsSink,
+    ) -> Result<Vec<StepMetrics>> {
+        use burn_metax_backend::collective::{CudaProxyNcclGroup, NcclCommunicator};
+        let device = burn_metax_backend::CudaProxyDevice { index: self.env.local_rank };
+        let id = self.unique_id(|| {
+            NcclCommunicator::unique_id().map_err(|e| anyhow::anyhow!("--device cuda-proxy: {e}"))
+        })?;
+        let group =
+            CudaProxyNcclGroup::nccl(device, id, self.rank(), self.size(), args.collective_timeout()?)
+                .map_err(|e| {
+                    anyhow::anyhow!("--device cuda-proxy: joining NCCL on CUDA device {}: {e}", device.index)
+                })?;
+        type B = burn_metax_backend::CudaProxy<f32>;
+        let groups = self.device_groups::<B>(args, Arc::new(group), device)?;
+        crate::train::fsdp_rank::<B>(args, &setup, groups, sink)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn train_cuda(&self, _: &TrainArgs, _: Setup, _: &crate::train::MetricsSink) -> Result<Vec<StepMetrics>> {
+        bail!(
+            "--device cuda-proxy needs xtask built with `--features cuda` (NCCL through cudarc, loaded at run time)"
+        )
     }
 }

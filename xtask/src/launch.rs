@@ -310,6 +310,7 @@ impl MpiRank {
                 outer: self.group.clone(),
                 inner: None,
                 gate: None,
+                device: Default::default(),
             });
         }
         let (_, i) = topology.dims();
@@ -317,7 +318,14 @@ impl MpiRank {
         let err = |e: burn_fsdp::CommError| anyhow::anyhow!("splitting the MPI job into the mesh: {e}");
         let inner = self.group.split(a as u32, b as u32).map_err(err)?;
         let outer = self.group.split(b as u32, a as u32).map_err(err)?;
-        Ok(crate::train::RankGroups { topology, rank, outer, inner: Some(inner), gate: None })
+        Ok(crate::train::RankGroups {
+            topology,
+            rank,
+            outer,
+            inner: Some(inner),
+            gate: None,
+            device: Default::default(),
+        })
     }
 
     /// Runs this rank's share of FSDP training.

@@ -159,6 +159,11 @@ pub struct TrainArgs {
     /// averaged across replicas. R·S ranks in all.
     #[arg(long, value_parser = parse_mesh, conflicts_with = "no_fsdp")]
     pub hsdp: Option<(usize, usize)>,
+    /// Where each rank computes: `cpu` (NdArray, or Flex for bf16), or one GPU per process
+    /// with device collectives: `metax` (MCCL) or `cuda-proxy` (NCCL; xtask built with
+    /// `--features cuda`). GPUs need `--launcher env` (the GPU is `LOCAL_RANK`).
+    #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
+    pub device: DeviceKind,
     /// Collective timeout in seconds: a rank that waits longer for its peers fails with an
     /// error (and so does the job).
     #[arg(long, default_value_t = 120.0)]
@@ -230,6 +235,17 @@ impl Job {
             Job::Env(_) => "processes (env launcher, TCP)",
         }
     }
+}
+
+/// `--device` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DeviceKind {
+    /// The CPU (host-buffer collectives of the launcher).
+    Cpu,
+    /// A MetaX GPU per process, MCCL collectives on device buffers.
+    Metax,
+    /// An NVIDIA GPU per process through the MetaX runtime's CUDA proxy, NCCL collectives.
+    CudaProxy,
 }
 
 /// `--mixed-precision` values.
@@ -807,6 +823,13 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
     if args.dry_run && args.launcher == Launcher::Local {
         bail!("--dry-run prints the command lines of --launcher mpi or env; add one of them");
     }
+    if args.device != DeviceKind::Cpu && (args.launcher != Launcher::Env || args.no_fsdp) {
+        bail!(
+            "--device {} runs one FSDP rank per GPU process with device collectives: use --launcher env \
+             (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR; the GPU is LOCAL_RANK)",
+            if args.device == DeviceKind::Metax { "metax" } else { "cuda-proxy" }
+        );
+    }
     // Under a launcher this process is one rank: join the job first, so that the world
     // size comes from it and only rank 0 writes files and prints.
     let mpi = match args.launcher {
@@ -1035,6 +1058,8 @@ pub struct RankGroups<B: burn::tensor::backend::Backend> {
     /// barrier, ranks that sync only through sub-groups can drift a micro-batch apart and
     /// deadlock on that lock (one process per rank, as with MPI, needs no gate).
     pub gate: Option<std::sync::Arc<dyn burn_fsdp::ProcessGroup<B>>>,
+    /// The device this rank computes on.
+    pub device: B::Device,
 }
 
 /// FSDP training over in-process ranks (threads), `--world-size` of them or the ranks of
@@ -1053,7 +1078,14 @@ pub fn train_fsdp<B: burn::tensor::backend::Backend>(
             fsdp_rank::<B>(
                 args,
                 &setup,
-                RankGroups { topology, rank, outer: group, inner: None, gate: None },
+                RankGroups {
+                    topology,
+                    rank,
+                    outer: group,
+                    inner: None,
+                    gate: None,
+                    device: Default::default(),
+                },
                 sink,
             )
         }),
@@ -1073,6 +1105,7 @@ pub fn train_fsdp<B: burn::tensor::backend::Backend>(
                     outer: outer.clone(),
                     inner: Some(inner.clone()),
                     gate: Some(group.clone()),
+                    device: Default::default(),
                 };
                 // A failing rank aborts its mesh groups too, so that no peer waits for it.
                 let fail = |why: &str| {
@@ -1126,7 +1159,7 @@ pub fn fsdp_rank<B: burn::tensor::backend::Backend>(
     sink: &MetricsSink,
 ) -> Result<Vec<StepMetrics>> {
     type Ad<B> = FsdpTrainBackend<B>;
-    let RankGroups { topology, rank, outer, inner, gate } = groups;
+    let RankGroups { topology, rank, outer, inner, gate, device } = groups;
     let Setup { config, model, batches, steps, resume } = setup;
     let steps = *steps;
     let model_config = serde_json::to_value(config)?;
@@ -1134,7 +1167,6 @@ pub fn fsdp_rank<B: burn::tensor::backend::Backend>(
     let rows_per_rank = batches.rows / data_world;
     let micro = args.grad_accum;
     let rows_per_micro = rows_per_rank / micro;
-    let device = B::Device::default();
     let replica = Qwen3::<Ad<B>>::from_weights(config, model.as_slice(), &device)?;
     let (replica, tp, mesh) = match (topology, &inner) {
         (Topology::DpTp { .. }, Some(tp_group)) => {

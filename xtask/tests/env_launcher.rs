@@ -184,3 +184,27 @@ fn killing_one_rank_mid_run_ends_the_job_with_an_error_and_no_orphans() {
         ranks.iter().copied().filter(|p| Path::new(&format!("/proc/{p}")).exists()).collect();
     assert!(alive.is_empty(), "orphaned rank processes: {alive:?}");
 }
+
+#[test]
+fn a_gpu_job_without_the_gpu_libraries_fails_on_every_rank_with_the_reason() {
+    let out = scratch("env-metax");
+    let o = Command::new(EXE)
+        .args(["train-qwen3", "--device", "metax", "--launcher", "env", "--world-size", "2", "--steps", "1"])
+        .args(["--timeout", "20", "--quiet", "--out-dir", out.to_str().expect("utf-8")])
+        .env("MACA_PATH", out.join("no-sdk-here"))
+        .output()
+        .expect("xtask");
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    // Rank 0 cannot make the MCCL unique id; rank 1 hears it instead of waiting.
+    assert!(
+        t.contains("rank 0: --device metax") && t.contains("libmccl.so") && t.contains("MACA_PATH"),
+        "{t}"
+    );
+    assert!(t.contains("rank 1: sharing the unique id") && t.contains("rank 0 failed"), "{t}");
+    let o = Command::new(EXE)
+        .args(["train-qwen3", "--device", "metax", "--world-size", "2", "--quiet"])
+        .output()
+        .expect("xtask");
+    assert!(!o.status.success() && text(&o).contains("use --launcher env"), "{}", text(&o));
+}
