@@ -363,10 +363,16 @@ impl<B: Backend> Prefetcher<B> {
 
     /// Waits for every reduce-scatter in flight and returns the reduced shard gradients by
     /// unit (units without sync or offloaded ones have none).
+    ///
+    /// Backward is over then: the saved shard references are released too, so that the
+    /// optimizer step's old shards are not kept alive until the next forward.
     pub fn finish_reductions(&self) -> Vec<(usize, Tensor<B, 1>)> {
         let pending = std::mem::take(&mut self.state().reductions);
         let out = pending.into_iter().filter_map(|(u, p)| self.timed_wait(p).map(|g| (u, g))).collect();
         self.quiesce();
+        let mut st = self.state();
+        st.shards.iter_mut().for_each(|s| *s = None);
+        st.ready[Pass::Backward as usize].clear();
         out
     }
 }
