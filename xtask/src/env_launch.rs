@@ -193,24 +193,7 @@ impl EnvJob {
     }
 
     fn groups<B: burn::tensor::backend::Backend>(&self, args: &TrainArgs) -> Result<RankGroups<B>> {
-        let topology = args.topology();
-        let rank = self.env.rank;
-        if let Topology::Flat(_) = topology {
-            return Ok(RankGroups {
-                topology,
-                rank,
-                outer: self.world.clone(),
-                inner: None,
-                gate: None,
-                device: Default::default(),
-            });
-        }
-        let (_, i) = topology.dims();
-        let (a, b) = (rank / i, rank % i);
-        let err = |e: burn_fsdp::CommError| anyhow::anyhow!("splitting the job into the mesh: {e}");
-        let inner = self.world.split(a as u32, b as u32).map_err(err)?;
-        let outer = self.world.split(b as u32, a as u32).map_err(err)?;
-        Ok(RankGroups { topology, rank, outer, inner: Some(inner), gate: None, device: Default::default() })
+        crate::train::split_mesh(args, self.env.rank, self.world.clone(), TcpGroup::split)
     }
 
     /// Runs this rank's share of FSDP training.

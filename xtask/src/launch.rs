@@ -300,32 +300,8 @@ impl MpiRank {
         &self,
         args: &TrainArgs,
     ) -> Result<crate::train::RankGroups<B>> {
-        use crate::train::Topology;
-        let topology = args.topology();
         let rank = self.group.rank();
-        if let Topology::Flat(_) = topology {
-            return Ok(crate::train::RankGroups {
-                topology,
-                rank,
-                outer: self.group.clone(),
-                inner: None,
-                gate: None,
-                device: Default::default(),
-            });
-        }
-        let (_, i) = topology.dims();
-        let (a, b) = (rank / i, rank % i);
-        let err = |e: burn_fsdp::CommError| anyhow::anyhow!("splitting the MPI job into the mesh: {e}");
-        let inner = self.group.split(a as u32, b as u32).map_err(err)?;
-        let outer = self.group.split(b as u32, a as u32).map_err(err)?;
-        Ok(crate::train::RankGroups {
-            topology,
-            rank,
-            outer,
-            inner: Some(inner),
-            gate: None,
-            device: Default::default(),
-        })
+        crate::train::split_mesh(args, rank, self.group.clone(), burn_fsdp::mpi::MpiGroup::split)
     }
 
     /// Runs this rank's share of FSDP training.

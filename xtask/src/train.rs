@@ -1062,6 +1062,34 @@ pub struct RankGroups<B: burn::tensor::backend::Backend> {
     pub device: B::Device,
 }
 
+/// A process rank's mesh groups from its world group: the world itself for a flat run, else
+/// (`--mesh`/`--hsdp`) its row and column of the mesh split from the world with `split(color,
+/// key)` (`MPI_Comm_split` semantics; row-major: rank = outer · inner_size + inner).
+pub fn split_mesh<B, G>(
+    args: &TrainArgs,
+    rank: usize,
+    world: std::sync::Arc<G>,
+    split: impl Fn(&G, u32, u32) -> std::result::Result<std::sync::Arc<G>, burn_fsdp::CommError>,
+) -> Result<RankGroups<B>>
+where
+    B: burn::tensor::backend::Backend,
+    G: burn_fsdp::ProcessGroup<B> + 'static,
+{
+    let topology = args.topology();
+    let (outer, inner): (std::sync::Arc<dyn burn_fsdp::ProcessGroup<B>>, _) = match topology {
+        Topology::Flat(_) => (world, None),
+        _ => {
+            let (_, i) = topology.dims();
+            let (a, b) = (rank / i, rank % i);
+            let err = |e: burn_fsdp::CommError| anyhow::anyhow!("splitting the job into the mesh: {e}");
+            let inner: std::sync::Arc<dyn burn_fsdp::ProcessGroup<B>> =
+                split(&world, a as u32, b as u32).map_err(err)?;
+            (split(&world, b as u32, a as u32).map_err(err)?, Some(inner))
+        }
+    };
+    Ok(RankGroups { topology, rank, outer, inner, gate: None, device: Default::default() })
+}
+
 /// FSDP training over in-process ranks (threads), `--world-size` of them or the ranks of
 /// `--mesh`/`--hsdp`; each rank trains on its slice of every step's batch.
 pub fn train_fsdp<B: burn::tensor::backend::Backend>(

@@ -3,7 +3,6 @@
 //!
 //! Each test runs the real `xtask` binary, as users do.
 
-use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -129,60 +128,17 @@ fn env_rank_of(pid: u32) -> Option<usize> {
 
 #[test]
 fn killing_one_rank_mid_run_ends_the_job_with_an_error_and_no_orphans() {
-    let out = scratch("env-kill");
-    let mut child = Command::new(EXE)
-        .args([
-            "train-qwen3",
-            "--launcher",
-            "env",
-            "--world-size",
-            "4",
-            "--steps",
-            "2000",
-            "--timeout",
-            "20",
-            "--quiet",
-            "--out-dir",
-            out.to_str().expect("utf-8"),
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("xtask");
-    let metrics = out.join("metrics.jsonl");
-    let start = Instant::now();
-    while std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count()) < 2 {
-        assert!(start.elapsed() < Duration::from_secs(120), "training never started");
-        assert!(child.try_wait().expect("wait").is_none(), "the job ended before the kill");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let procs = descendants(child.id());
-    let ranks: Vec<u32> = procs.iter().copied().filter(|p| env_rank_of(*p).is_some()).collect();
-    assert_eq!(ranks.len(), 4, "expected 4 rank processes, found {ranks:?}");
-    let victim = ranks.iter().copied().find(|p| env_rank_of(*p) == Some(2)).expect("rank 2's process");
-    let killed_at = Instant::now();
-    assert!(Command::new("kill").args(["-9", &victim.to_string()]).status().expect("kill").success());
-    let status = loop {
-        if let Some(s) = child.try_wait().expect("wait") {
-            break s;
-        }
-        if killed_at.elapsed() > Duration::from_secs(60) {
-            let _ = child.kill();
-            panic!("the job did not end within 60 s of the kill");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let o = child.wait_with_output().expect("output");
-    let t = text(&o);
-    assert!(!status.success(), "the job must fail: {t}");
-    assert!(t.contains("the job failed"), "{t}");
-    assert!(t.contains("rank 2 lost its connection"), "the survivors should name the dead rank: {t}");
-    println!("job ended {:?} after the kill", killed_at.elapsed());
-    assert!(killed_at.elapsed() < Duration::from_secs(20), "not within the collective timeout");
-    std::thread::sleep(Duration::from_millis(300));
-    let alive: Vec<u32> =
-        ranks.iter().copied().filter(|p| Path::new(&format!("/proc/{p}")).exists()).collect();
-    assert!(alive.is_empty(), "orphaned rank processes: {alive:?}");
+    let k = kill_rank_mid_run(&scratch("env-kill"), &["--launcher", "env"], env_rank_of, 2);
+    assert!(!k.status.success(), "the job must fail: {}", k.text);
+    assert!(k.text.contains("the job failed"), "{}", k.text);
+    assert!(
+        k.text.contains("rank 2 lost its connection"),
+        "the survivors should name the dead rank: {}",
+        k.text
+    );
+    println!("job ended {:?} after the kill", k.after_kill);
+    assert!(k.after_kill < Duration::from_secs(20), "not within the collective timeout");
+    assert!(k.orphans.is_empty(), "orphaned rank processes: {:?}", k.orphans);
 }
 
 #[test]

@@ -3,8 +3,7 @@
 //! Each test runs the real `xtask` binary under `mpirun`, as users do.
 #![cfg(feature = "mpi")]
 
-use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 mod common;
@@ -147,64 +146,11 @@ fn mpi_rank_of(pid: u32) -> Option<usize> {
 
 #[test]
 fn killing_one_rank_mid_run_ends_the_job_with_an_error_and_no_orphans() {
-    let out = scratch("kill");
-    let mut child = Command::new(EXE)
-        .args([
-            "train-qwen3",
-            "--launcher",
-            "mpi",
-            "--world-size",
-            "4",
-            "--steps",
-            "2000",
-            "--timeout",
-            "20",
-            "--quiet",
-            "--out-dir",
-            out.to_str().expect("utf-8"),
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("xtask");
-    let metrics = out.join("metrics.jsonl");
-    let start = Instant::now();
-    // Wait until training is under way.
-    while std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count()) < 2 {
-        assert!(start.elapsed() < Duration::from_secs(120), "training never started");
-        assert!(child.try_wait().expect("wait").is_none(), "the job ended before the kill");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let procs = descendants(child.id());
-    let victim = procs.iter().copied().find(|p| mpi_rank_of(*p) == Some(1)).expect("rank 1's process");
-    let ranks: Vec<u32> = procs.iter().copied().filter(|p| mpi_rank_of(*p).is_some()).collect();
-    assert!(ranks.len() >= 4, "expected 4 rank processes, found {ranks:?}");
-    let killed_at = Instant::now();
-    let status = Command::new("kill").args(["-9", &victim.to_string()]).status().expect("kill");
-    assert!(status.success());
-    let status = loop {
-        if let Some(s) = child.try_wait().expect("wait") {
-            break s;
-        }
-        if killed_at.elapsed() > Duration::from_secs(60) {
-            let _ = child.kill();
-            panic!("the job did not end within 60 s of the kill");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let o = child.wait_with_output().expect("output");
-    let t = text(&o);
-    assert!(!status.success(), "the job must fail: {t}");
-    assert!(t.contains("the MPI job failed"), "{t}");
-    println!("job ended {:?} after the kill", killed_at.elapsed());
-    // No rank survives its job.
-    std::thread::sleep(Duration::from_millis(500));
-    let alive: Vec<u32> = ranks
-        .iter()
-        .copied()
-        .filter(|p| Path::new(&format!("/proc/{p}")).exists() && mpi_rank_of(*p).is_some())
-        .collect();
-    assert!(alive.is_empty(), "orphaned rank processes: {alive:?}");
+    let k = kill_rank_mid_run(&scratch("kill"), &["--launcher", "mpi"], mpi_rank_of, 1);
+    assert!(!k.status.success(), "the job must fail: {}", k.text);
+    assert!(k.text.contains("the MPI job failed"), "{}", k.text);
+    println!("job ended {:?} after the kill", k.after_kill);
+    assert!(k.orphans.is_empty(), "orphaned rank processes: {:?}", k.orphans);
 }
 
 #[test]

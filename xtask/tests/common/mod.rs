@@ -2,7 +2,8 @@
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
-use std::process::Output;
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::time::{Duration, Instant};
 
 /// The xtask binary under test.
 pub const EXE: &str = env!("CARGO_BIN_EXE_xtask");
@@ -98,4 +99,67 @@ pub fn descendants(root: u32) -> Vec<u32> {
         }
     }
     out
+}
+
+/// What [`kill_rank_mid_run`] saw.
+pub struct Killed {
+    /// The launcher's exit status.
+    pub status: ExitStatus,
+    /// Its stdout and stderr.
+    pub text: String,
+    /// Time from the kill to the launcher's exit.
+    pub after_kill: Duration,
+    /// Rank processes still alive half a second after the launcher exited.
+    pub orphans: Vec<u32>,
+}
+
+/// Starts `train-qwen3 <launcher_args> --world-size 4 --steps 2000 --timeout 20` writing to
+/// `out`, waits until training is under way, SIGKILLs the rank process whose rank
+/// `rank_of(pid)` says is `victim`, and waits (at most 60 s) for the launcher to exit.
+pub fn kill_rank_mid_run(
+    out: &Path,
+    launcher_args: &[&str],
+    rank_of: impl Fn(u32) -> Option<usize>,
+    victim: usize,
+) -> Killed {
+    let mut child: Child = Command::new(EXE)
+        .arg("train-qwen3")
+        .args(launcher_args)
+        .args(["--world-size", "4", "--steps", "2000", "--timeout", "20", "--quiet", "--out-dir"])
+        .arg(out)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("xtask");
+    let metrics = out.join("metrics.jsonl");
+    let start = Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count()) < 2 {
+        assert!(start.elapsed() < Duration::from_secs(120), "training never started");
+        assert!(child.try_wait().expect("wait").is_none(), "the job ended before the kill");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let ranks: Vec<u32> = descendants(child.id()).into_iter().filter(|p| rank_of(*p).is_some()).collect();
+    assert!(ranks.len() >= 4, "expected 4 rank processes, found {ranks:?}");
+    let pid = ranks.iter().copied().find(|p| rank_of(*p) == Some(victim)).expect("the victim's process");
+    let killed_at = Instant::now();
+    assert!(Command::new("kill").args(["-9", &pid.to_string()]).status().expect("kill").success());
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        if killed_at.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            panic!("the job did not end within 60 s of the kill");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let after_kill = killed_at.elapsed();
+    let o = child.wait_with_output().expect("output");
+    std::thread::sleep(Duration::from_millis(500));
+    let orphans = ranks
+        .iter()
+        .copied()
+        .filter(|p| Path::new(&format!("/proc/{p}")).exists() && rank_of(*p).is_some())
+        .collect();
+    Killed { status, text: text(&o), after_kill, orphans }
 }
