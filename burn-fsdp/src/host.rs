@@ -11,6 +11,27 @@ use burn::tensor::{DType, Tensor, TensorData};
 
 use crate::comm::ReduceOp;
 
+/// The one-byte code of the dtypes the host transports (MPI, TCP) carry, for their message
+/// headers; `None` for the others.
+pub(crate) fn dtype_code(d: DType) -> Option<u8> {
+    Some(match d {
+        DType::F64 => 1,
+        DType::F32 => 2,
+        DType::F16 => 3,
+        DType::BF16 => 4,
+        DType::I64 => 5,
+        DType::I32 => 6,
+        _ => return None,
+    })
+}
+
+/// The dtype of a [`dtype_code`].
+pub(crate) fn dtype_of_code(c: u8) -> Option<DType> {
+    [DType::F64, DType::F32, DType::F16, DType::BF16, DType::I64, DType::I32]
+        .into_iter()
+        .find(|d| dtype_code(*d) == Some(c))
+}
+
 /// The host bytes of a 1D tensor, with its dtype and length.
 pub(crate) fn to_bytes<B: Backend>(t: Tensor<B, 1>) -> (Vec<u8>, DType, usize) {
     let n = t.shape().num_elements();

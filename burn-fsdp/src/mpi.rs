@@ -529,19 +529,7 @@ fn fnv32(bytes: &[u8]) -> u32 {
 }
 
 /// Wire code of a dtype.
-fn dtype_code(d: DType) -> Option<u8> {
-    Some(match d {
-        DType::F64 => 1,
-        DType::F32 => 2,
-        DType::F16 => 3,
-        DType::BF16 => 4,
-        DType::I64 => 5,
-        DType::I32 => 6,
-        _ => return None,
-    })
-}
-
-use crate::host::{from_bytes, to_bytes};
+use crate::host::{dtype_code, from_bytes, to_bytes};
 
 impl MpiGroup {
     fn prepare<B: Backend>(

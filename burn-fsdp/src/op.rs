@@ -169,21 +169,18 @@ struct RetroGather<B: Backend> {
 
 impl<B: Backend> RetroForward for RetroGather<B> {
     fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
-        // The shard values are read (and their states released) even when the re-gather was
-        // prefetched.
-        let shard = match &self.sources {
-            Sources::Nodes(ids) => Some(flat_concat::<B>(
-                ids.iter().map(|id| states.get_state::<B::FloatTensorPrimitive>(id)).collect(),
-            )),
-            Sources::Host(..) => None,
+        // The shard states are taken (and so released) even when the re-gather was
+        // prefetched; they are concatenated only when it was not.
+        let pieces: Vec<B::FloatTensorPrimitive> = match &self.sources {
+            Sources::Nodes(ids) => ids.iter().map(|id| states.get_state(id)).collect(),
+            Sources::Host(..) => Vec::new(),
         };
-        let shard = move || match (&self.sources, shard) {
-            (_, Some(shard)) => shard,
-            (Sources::Host(host, ids, device), None) => {
+        let shard = move || match &self.sources {
+            Sources::Nodes(_) => flat_concat::<B>(pieces),
+            Sources::Host(host, ids, device) => {
                 let ids: Vec<ParamId> = ids.iter().map(|(id, _)| *id).collect();
                 host.upload::<B>(&ids, device)
             }
-            (Sources::Nodes(_), None) => unreachable!("node sources were read above"),
         };
         let full = match &self.unit.prefetch {
             Some(p) => p.backward_gather(self.unit.index, &self.unit, shard),

@@ -45,11 +45,11 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Tensor};
 
 use crate::comm::{CollectiveKind, CommCounters, CommError, CommStats, ProcessGroup, ReduceOp, Tag};
-use crate::host::{from_bytes, reduce_bytes, to_bytes};
+use crate::host::{dtype_code, dtype_of_code, from_bytes, reduce_bytes, to_bytes};
 
 /// `MASTER_PORT` when the variable is not set (as torchrun).
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
@@ -261,26 +261,6 @@ fn kind_from_code(c: u8) -> Option<CollectiveKind> {
     CollectiveKind::ALL.iter().copied().find(|k| k.index() as u8 == c)
 }
 
-fn dtype_code(d: DType) -> Option<u8> {
-    Some(match d {
-        DType::F32 => 0,
-        DType::F64 => 1,
-        DType::BF16 => 2,
-        DType::F16 => 3,
-        _ => return None,
-    })
-}
-
-fn dtype_of(c: u8) -> Option<DType> {
-    Some(match c {
-        0 => DType::F32,
-        1 => DType::F64,
-        2 => DType::BF16,
-        3 => DType::F16,
-        _ => return None,
-    })
-}
-
 // ---------------------------------------------------------------------------------------
 // The hub: runs in rank 0's process, matches requests, computes and sends the results.
 
@@ -447,7 +427,7 @@ fn complete(reqs: &[Request]) -> Result<Vec<Vec<u8>>, String> {
         ));
     }
     let reduce = |parts: Vec<&[u8]>| -> Result<Vec<u8>, String> {
-        let dtype = dtype_of(first.dtype).ok_or("unknown dtype")?;
+        let dtype = dtype_of_code(first.dtype).ok_or("unknown dtype")?;
         let op = match first.extra {
             0 => ReduceOp::Sum,
             1 => ReduceOp::Avg,

@@ -20,7 +20,7 @@ use anyhow::{Context, Result, bail};
 use burn_fsdp::ProcessGroup;
 use burn_fsdp::tcp::{EnvRank, TcpGroup};
 
-use crate::launch::{run_digest, shell_words};
+use crate::launch::{check_job_consistent, shell_words};
 use crate::train::{DeviceKind, Precision, RankGroups, Setup, StepMetrics, Topology, TrainArgs};
 
 /// The environment of rank `rank` of a one-machine job on `port`.
@@ -183,17 +183,7 @@ impl EnvJob {
 
     /// Compares [`run_digest`] across ranks (flags, model config, weights, data).
     pub fn check_consistent(&self, args: &TrainArgs, setup: &Setup) -> Result<()> {
-        burn_fsdp::comm::check_same_on_all_ranks::<crate::Backend>(
-            &*self.world,
-            "flags, model config, weights and data",
-            run_digest(args, setup),
-            &crate::device(),
-        )
-        .map_err(|e| anyhow::anyhow!("{e}"))
-    }
-
-    fn groups<B: burn::tensor::backend::Backend>(&self, args: &TrainArgs) -> Result<RankGroups<B>> {
-        crate::train::split_mesh(args, self.env.rank, self.world.clone(), TcpGroup::split)
+        check_job_consistent(&*self.world, args, setup)
     }
 
     /// Runs this rank's share of FSDP training.
@@ -205,7 +195,15 @@ impl EnvJob {
         precision: Precision,
     ) -> Result<Vec<StepMetrics>> {
         let result = match args.device {
-            DeviceKind::Cpu => self.train_cpu(args, setup, sink, precision),
+            DeviceKind::Cpu => crate::train::cpu_rank(
+                args,
+                &setup,
+                sink,
+                precision,
+                self.rank(),
+                self.world.clone(),
+                |g, c, k| TcpGroup::split(g, c, k),
+            ),
             DeviceKind::Metax => self.train_metax(args, setup, sink),
             DeviceKind::CudaProxy => self.train_cuda(args, setup, sink),
         };
@@ -214,23 +212,6 @@ impl EnvJob {
             self.abort(&msg);
             anyhow::anyhow!(msg)
         })
-    }
-
-    fn train_cpu(
-        &self,
-        args: &TrainArgs,
-        setup: Setup,
-        sink: &crate::train::MetricsSink,
-        precision: Precision,
-    ) -> Result<Vec<StepMetrics>> {
-        match precision {
-            Precision::Fp32 => self
-                .groups::<crate::Backend>(args)
-                .and_then(|g| crate::train::fsdp_rank::<crate::Backend>(args, &setup, g, sink)),
-            Precision::Bf16 => self
-                .groups::<burn::backend::Flex<f32>>(args)
-                .and_then(|g| crate::train::fsdp_rank::<burn::backend::Flex<f32>>(args, &setup, g, sink)),
-        }
     }
 
     /// Rank 0's device-communicator unique id (`make` runs on rank 0 only), sent to every rank

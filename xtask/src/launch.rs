@@ -204,6 +204,22 @@ impl Fnv64 {
     }
 }
 
+/// Compares [`run_digest`] over `world` (a multi-process job's world group): a rank started
+/// with other flags, another model or other data is refused on every rank.
+pub fn check_job_consistent(
+    world: &dyn burn_fsdp::ProcessGroup<crate::Backend>,
+    args: &TrainArgs,
+    setup: &Setup,
+) -> Result<()> {
+    burn_fsdp::comm::check_same_on_all_ranks::<crate::Backend>(
+        world,
+        "flags, model config, weights and data",
+        run_digest(args, setup),
+        &crate::device(),
+    )
+    .map_err(|e| anyhow::anyhow!("{e}"))
+}
+
 /// This process's place in an MPI job.
 pub struct MpiRank {
     #[cfg(feature = "mpi")]
@@ -277,31 +293,13 @@ impl MpiRank {
     pub fn check_consistent(&self, args: &TrainArgs, setup: &Setup) -> Result<()> {
         #[cfg(feature = "mpi")]
         {
-            let digest = run_digest(args, setup);
-            burn_fsdp::comm::check_same_on_all_ranks::<crate::Backend>(
-                &*self.group,
-                "flags, model config, weights and data",
-                digest,
-                &crate::device(),
-            )
-            .map_err(|e| anyhow::anyhow!("{e}"))
+            check_job_consistent(&*self.group, args, setup)
         }
         #[cfg(not(feature = "mpi"))]
         {
             let _ = (args, setup);
             bail!("{NO_MPI}")
         }
-    }
-
-    /// This rank's mesh groups: the world, or for `--mesh`/`--hsdp` its row and column of the
-    /// mesh, split from the world (row-major: rank = outer · inner_size + inner).
-    #[cfg(feature = "mpi")]
-    fn groups<B: burn::tensor::backend::Backend>(
-        &self,
-        args: &TrainArgs,
-    ) -> Result<crate::train::RankGroups<B>> {
-        let rank = self.group.rank();
-        crate::train::split_mesh(args, rank, self.group.clone(), burn_fsdp::mpi::MpiGroup::split)
     }
 
     /// Runs this rank's share of FSDP training.
@@ -314,14 +312,11 @@ impl MpiRank {
     ) -> Result<Vec<StepMetrics>> {
         #[cfg(feature = "mpi")]
         {
-            let result = match precision {
-                Precision::Fp32 => self
-                    .groups::<crate::Backend>(args)
-                    .and_then(|g| crate::train::fsdp_rank::<crate::Backend>(args, &setup, g, sink)),
-                Precision::Bf16 => self
-                    .groups::<burn::backend::Flex<f32>>(args)
-                    .and_then(|g| crate::train::fsdp_rank::<burn::backend::Flex<f32>>(args, &setup, g, sink)),
-            };
+            let world = self.group.clone();
+            let result =
+                crate::train::cpu_rank(args, &setup, sink, precision, self.rank(), world, |g, c, k| {
+                    burn_fsdp::mpi::MpiGroup::split(g, c, k)
+                });
             result.map_err(|e| {
                 let msg = format!("rank {}: {e:#}", self.rank());
                 self.abort(&msg);

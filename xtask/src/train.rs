@@ -1090,6 +1090,28 @@ where
     Ok(RankGroups { topology, rank, outer, inner, gate: None, device: Default::default() })
 }
 
+/// One process rank's CPU training: its mesh groups split from `world` ([`split_mesh`]), on
+/// NdArray (fp32) or Flex (bf16 mixed precision).
+pub fn cpu_rank<G>(
+    args: &TrainArgs,
+    setup: &Setup,
+    sink: &MetricsSink,
+    precision: Precision,
+    rank: usize,
+    world: std::sync::Arc<G>,
+    split: impl Fn(&G, u32, u32) -> std::result::Result<std::sync::Arc<G>, burn_fsdp::CommError>,
+) -> Result<Vec<StepMetrics>>
+where
+    G: burn_fsdp::ProcessGroup<Backend> + burn_fsdp::ProcessGroup<burn::backend::Flex<f32>> + 'static,
+{
+    match precision {
+        Precision::Fp32 => split_mesh::<Backend, G>(args, rank, world, split)
+            .and_then(|g| fsdp_rank::<Backend>(args, setup, g, sink)),
+        Precision::Bf16 => split_mesh::<burn::backend::Flex<f32>, G>(args, rank, world, split)
+            .and_then(|g| fsdp_rank::<burn::backend::Flex<f32>>(args, setup, g, sink)),
+    }
+}
+
 /// FSDP training over in-process ranks (threads), `--world-size` of them or the ranks of
 /// `--mesh`/`--hsdp`; each rank trains on its slice of every step's batch.
 pub fn train_fsdp<B: burn::tensor::backend::Backend>(
