@@ -202,7 +202,7 @@ impl EnvJob {
                 precision,
                 self.rank(),
                 self.world.clone(),
-                |g, c, k| TcpGroup::split(g, c, k),
+                TcpGroup::split,
             ),
             DeviceKind::Metax => self.train_metax(args, setup, sink),
             DeviceKind::CudaProxy => self.train_cuda(args, setup, sink),

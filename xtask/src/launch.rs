@@ -313,10 +313,15 @@ impl MpiRank {
         #[cfg(feature = "mpi")]
         {
             let world = self.group.clone();
-            let result =
-                crate::train::cpu_rank(args, &setup, sink, precision, self.rank(), world, |g, c, k| {
-                    burn_fsdp::mpi::MpiGroup::split(g, c, k)
-                });
+            let result = crate::train::cpu_rank(
+                args,
+                &setup,
+                sink,
+                precision,
+                self.rank(),
+                world,
+                burn_fsdp::mpi::MpiGroup::split,
+            );
             result.map_err(|e| {
                 let msg = format!("rank {}: {e:#}", self.rank());
                 self.abort(&msg);
