@@ -8,6 +8,20 @@ use crate::runtime::MacaRuntime;
 /// stored as `u8`). Use `burn::backend::Autodiff<Metax>` for training.
 pub type Metax<F = f32, I = i32> = CubeBackend<MacaRuntime, F, I, u8>;
 
+/// [`Metax`] on the emulated MetaX device ([`crate::emu`]): the same server, dialect (wave 64)
+/// and compilation options, with the kernels compiled by the host C++ compiler and run on the CPU.
+///
+/// ```no_run
+/// use burn::tensor::Tensor;
+/// use burn_metax_backend::{MetaxEmu, MetaxEmuDevice, MetaxEmuRuntime};
+///
+/// let device = MetaxEmuRuntime::first_device().expect("a host C++ compiler");
+/// let x = Tensor::<MetaxEmu, 1>::from_floats([1.0, 2.0, 3.0], &device);
+/// assert_eq!(x.sum().into_scalar(), 6.0);
+/// # let _ = MetaxEmuDevice::new(0);
+/// ```
+pub type MetaxEmu<F = f32, I = i32> = CubeBackend<crate::runtime::MetaxEmuRuntime, F, I, u8>;
+
 /// The device type of [`Metax`].
 pub type MetaxDevice = crate::runtime::MacaDevice;
 

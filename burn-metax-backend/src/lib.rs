@@ -16,6 +16,10 @@
 //! - [`dialect`]: [`dialect::MacaDialect`], the cubecl-cpp dialect for MACA (64-lane waves,
 //!   64-bit ballots and shuffle masks, no inline assembly, no MMA), and
 //!   [`dialect::compile_kernel_source`], which compiles a CubeCL kernel to MACA C++ source.
+//! - [`emu`]: the emulated MetaX device — the dialect's kernels compiled by the host C++ compiler
+//!   and run on the CPU with wave-64 semantics, asynchronous streams and events — and
+//!   [`MetaxEmu`], the backend over it (`CubeBackend<MetaxEmuRuntime>`: the same server and
+//!   dialect as [`Metax`]). Every kernel the backend generates runs in CI this way.
 //! - [`mccl`]: MCCL collectives (`libmccl.so`, loaded at run time): [`mccl::Mccl`] and
 //!   [`mccl::MacaCommunicator`].
 //! - `collective` (feature `collectives`): device-buffer communicators for burn-fsdp — the
@@ -33,12 +37,13 @@ mod backend;
 pub mod collective;
 pub mod dialect;
 pub mod driver;
+pub mod emu;
 pub mod mccl;
 pub mod runtime;
 
 #[cfg(feature = "cuda-proxy")]
 pub use backend::CudaProxy;
-pub use backend::{Metax, MetaxDevice};
-pub use runtime::{BackendError, MacaDevice, MacaRuntime};
+pub use backend::{Metax, MetaxDevice, MetaxEmu};
+pub use runtime::{BackendError, MacaDevice, MacaRuntime, MetaxEmuDevice, MetaxEmuRuntime};
 #[cfg(feature = "cuda-proxy")]
 pub use runtime::{CudaProxyDevice, CudaProxyRuntime};

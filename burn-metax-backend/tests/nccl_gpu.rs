@@ -2,8 +2,9 @@
 //! NVIDIA GPUs: one rank driven through NCCL (`communicate_at_size_one`), and one rank per GPU
 //! when there are several.
 //!
-//! They run only with `--features cuda` and `CUDA_PROXY_TESTS=1` (see
-//! `scripts/tier3-cuda-proxy.sh`); otherwise each test prints why it is skipped and passes.
+//! They run only with `--features cuda` and `CUDA_PROXY_TESTS=1` at build time (see
+//! `scripts/tier3-cuda-proxy.sh`; one rank per GPU also needs `MULTI_GPU_TESTS=1`); otherwise
+//! cargo lists them as ignored, with the reason.
 //! NCCL is opened at run time as `libnccl.so` (cudarc's name: a bare `libnccl.so.2` is not found).
 
 mod collective_checks;
@@ -16,17 +17,6 @@ use burn_metax_backend::{CudaProxy, CudaProxyDevice, CudaProxyRuntime};
 use collective_checks::{check_collectives, check_kernel_ordering, tensor, values};
 
 const TIMEOUT: Duration = Duration::from_secs(120);
-
-/// Whether the tests are enabled (with the reason printed when not).
-fn enabled() -> bool {
-    if std::env::var("CUDA_PROXY_TESTS").as_deref() != Ok("1") {
-        eprintln!(
-            "skipped: set CUDA_PROXY_TESTS=1 (and build with --features cuda) on an NVIDIA GPU machine with NCCL"
-        );
-        return false;
-    }
-    true
-}
 
 fn first_device() -> CudaProxyDevice {
     CudaProxyRuntime::first_device()
@@ -59,10 +49,8 @@ fn a_missing_nccl_is_an_error() {
 }
 
 #[test]
+#[cfg_attr(not(cuda_proxy_tests), ignore = "needs an NVIDIA GPU and NCCL (build with --features cuda): set CUDA_PROXY_TESTS=1")]
 fn one_rank_through_nccl_matches_the_host() {
-    if !enabled() {
-        return;
-    }
     let device = first_device();
     let group = one_rank_group(device);
     check_collectives(as_group(&group), &device);
@@ -70,20 +58,16 @@ fn one_rank_through_nccl_matches_the_host() {
 }
 
 #[test]
+#[cfg_attr(not(cuda_proxy_tests), ignore = "needs an NVIDIA GPU and NCCL (build with --features cuda): set CUDA_PROXY_TESTS=1")]
 fn one_rank_collectives_are_ordered_against_kernels() {
-    if !enabled() {
-        return;
-    }
     let device = first_device();
     let group = one_rank_group(device);
     check_kernel_ordering(as_group(&group), &device);
 }
 
 #[test]
+#[cfg_attr(not(cuda_proxy_tests), ignore = "needs an NVIDIA GPU and NCCL (build with --features cuda): set CUDA_PROXY_TESTS=1")]
 fn a_group_of_one_skips_nccl_by_default() {
-    if !enabled() {
-        return;
-    }
     let device = first_device();
     let id = NcclCommunicator::unique_id().expect("NCCL");
     let group = CudaProxyNcclGroup::nccl(device, id, 0, 1, TIMEOUT).expect("group");
@@ -94,17 +78,12 @@ fn a_group_of_one_skips_nccl_by_default() {
     assert_eq!(g.stats().calls(CollectiveKind::AllReduce), 0);
 }
 
-/// One rank per visible GPU (threads of this process), when there are at least two.
+/// One rank per visible GPU (threads of this process); needs at least two.
 #[test]
+#[cfg_attr(not(all(cuda_proxy_tests, multi_gpu_tests)), ignore = "needs two or more NVIDIA GPUs with NCCL: set CUDA_PROXY_TESTS=1 and MULTI_GPU_TESTS=1")]
 fn one_rank_per_gpu() {
-    if !enabled() {
-        return;
-    }
     let devices = CudaProxyRuntime::devices();
-    if devices.len() < 2 {
-        eprintln!("skipped: {} CUDA device(s), two or more needed", devices.len());
-        return;
-    }
+    assert!(devices.len() >= 2, "MULTI_GPU_TESTS=1 but only {} CUDA device(s)", devices.len());
     let world = devices.len();
     let id = NcclCommunicator::unique_id().expect("NCCL");
     std::thread::scope(|s| {

@@ -21,6 +21,9 @@ pub enum ConformanceBackend {
     CudaProxy,
     /// MetaX GPUs through burn-metax-backend.
     Metax,
+    /// The `Metax` server and MACA dialect on the emulated MetaX device: the generated kernels
+    /// compiled by the host C++ compiler and run on the CPU at wave 64.
+    MetaxEmu,
 }
 
 impl ConformanceBackend {
@@ -31,6 +34,7 @@ impl ConformanceBackend {
             Self::Flex => "flex",
             Self::CudaProxy => "cuda-proxy",
             Self::Metax => "metax",
+            Self::MetaxEmu => "metax-emu",
         }
     }
 }
@@ -91,6 +95,15 @@ pub fn run(args: &ConformanceArgs) -> Result<Status> {
         }
         ConformanceBackend::Flex => {
             Status::Ran(burn_conformance::run::<Autodiff<Flex>>(&Default::default(), filter))
+        }
+        ConformanceBackend::MetaxEmu => {
+            use burn_metax_backend::{MetaxEmu, MetaxEmuRuntime};
+            match MetaxEmuRuntime::first_device() {
+                Ok(device) => Status::Ran(burn_conformance::run::<Autodiff<MetaxEmu>>(&device, filter)),
+                Err(e) => {
+                    Status::Unavailable(format!("backend metax-emu: {e} (exit status {EXIT_UNAVAILABLE})"))
+                }
+            }
         }
         gpu @ (ConformanceBackend::CudaProxy | ConformanceBackend::Metax) => {
             run_gpu_backend(gpu.name(), filter)?

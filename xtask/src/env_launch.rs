@@ -206,6 +206,7 @@ impl EnvJob {
             ),
             DeviceKind::Metax => self.train_metax(args, setup, sink),
             DeviceKind::CudaProxy => self.train_cuda(args, setup, sink),
+            DeviceKind::MetaxEmu => Err(anyhow::anyhow!("--device metax-emu runs in-process ranks only")),
         };
         result.map_err(|e| {
             let msg = format!("rank {}: {e:#}", self.rank());

@@ -24,6 +24,8 @@ use serde::Serialize;
 
 use crate::data::synthetic_batches;
 use crate::{Backend, TrainBackend, device};
+use burn::backend::Autodiff;
+use burn_metax_backend::{MetaxEmu, MetaxEmuDevice};
 
 /// Arguments of `train-qwen3`.
 #[derive(Debug, Clone, clap::Args)]
@@ -159,9 +161,10 @@ pub struct TrainArgs {
     /// averaged across replicas. R·S ranks in all.
     #[arg(long, value_parser = parse_mesh, conflicts_with = "no_fsdp")]
     pub hsdp: Option<(usize, usize)>,
-    /// Where each rank computes: `cpu` (NdArray, or Flex for bf16), or one GPU per process
-    /// with device collectives: `metax` (MCCL) or `cuda-proxy` (NCCL; xtask built with
-    /// `--features cuda`). GPUs need `--launcher env` (the GPU is `LOCAL_RANK`).
+    /// Where each rank computes: `cpu` (NdArray, or Flex for bf16); `metax-emu`, the emulated
+    /// MetaX device (in-process ranks, one emulated device each, or `--no-fsdp`); or one GPU
+    /// per process with device collectives: `metax` (MCCL) or `cuda-proxy` (NCCL; xtask built
+    /// with `--features cuda`). GPUs need `--launcher env` (the GPU is `LOCAL_RANK`).
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     pub device: DeviceKind,
     /// Collective timeout in seconds: a rank that waits longer for its peers fails with an
@@ -246,6 +249,22 @@ pub enum DeviceKind {
     Metax,
     /// An NVIDIA GPU per process through the MetaX runtime's CUDA proxy, NCCL collectives.
     CudaProxy,
+    /// The emulated MetaX device (the MetaX backend's kernels compiled by the host C++ compiler
+    /// and run on the CPU at wave size 64): each in-process rank on its own emulated device,
+    /// host collectives. Needs g++ or clang++ (`scripts/setup.sh`).
+    MetaxEmu,
+}
+
+impl DeviceKind {
+    /// The flag value.
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceKind::Cpu => "cpu",
+            DeviceKind::Metax => "metax",
+            DeviceKind::CudaProxy => "cuda-proxy",
+            DeviceKind::MetaxEmu => "metax-emu",
+        }
+    }
 }
 
 /// `--mixed-precision` values.
@@ -823,12 +842,17 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
     if args.dry_run && args.launcher == Launcher::Local {
         bail!("--dry-run prints the command lines of --launcher mpi or env; add one of them");
     }
-    if args.device != DeviceKind::Cpu && (args.launcher != Launcher::Env || args.no_fsdp) {
+    if matches!(args.device, DeviceKind::Metax | DeviceKind::CudaProxy)
+        && (args.launcher != Launcher::Env || args.no_fsdp)
+    {
         bail!(
             "--device {} runs one FSDP rank per GPU process with device collectives: use --launcher env \
              (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR; the GPU is LOCAL_RANK)",
-            if args.device == DeviceKind::Metax { "metax" } else { "cuda-proxy" }
+            args.device.name()
         );
+    }
+    if args.device == DeviceKind::MetaxEmu {
+        check_emu_devices(args)?;
     }
     // Under a launcher this process is one rank: join the job first, so that the world
     // size comes from it and only rank 0 writes files and prints.
@@ -898,6 +922,9 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
     let metrics = match (args.no_fsdp, args.mixed_precision, &mpi) {
         (true, _, _) => train_single(args, setup, &sink)?,
         (false, precision, Some(m)) => m.train(args, setup, &sink, precision)?,
+        (false, _, None) if args.device == DeviceKind::MetaxEmu => {
+            train_fsdp_on::<MetaxEmu>(args, setup, &sink, MetaxEmuDevice::new)?
+        }
         (false, Precision::Fp32, None) => train_fsdp::<Backend>(args, setup, &sink)?,
         // NdArray has no bf16; burn's Flex CPU backend does.
         (false, Precision::Bf16, None) => train_fsdp::<burn::backend::Flex<f32>>(args, setup, &sink)?,
@@ -999,25 +1026,61 @@ fn print_comparison(first: &StepMetrics, last: &StepMetrics, c: &Comparison) {
 /// Steps of the synthetic default run when `--steps` is not given.
 pub const SYNTHETIC_STEPS: usize = 50;
 
-/// Single-device training: the reference every FSDP run is compared with.
+/// `--device metax-emu`: one emulated device per in-process rank (or device 0 for `--no-fsdp`);
+/// the flags must fit the emulated devices, and the emulator must be usable (a C++ compiler).
+fn check_emu_devices(args: &TrainArgs) -> Result<()> {
+    if args.launcher != Launcher::Local {
+        bail!(
+            "--device metax-emu runs in-process ranks, one emulated device each: drop --launcher {}",
+            if args.launcher == Launcher::Mpi { "mpi" } else { "env" }
+        );
+    }
+    let driver = burn_metax_backend::runtime::emu_driver()
+        .map_err(|e| anyhow::anyhow!("--device metax-emu: the emulated MetaX device is unavailable: {e}"))?;
+    let have = driver.config().devices.len();
+    let need = if args.no_fsdp { 1 } else { args.world() };
+    if need > have {
+        bail!(
+            "--device metax-emu: {need} ranks need {need} emulated devices, but there are {have} \
+             (set METAX_EMU_DEVICES={need})"
+        );
+    }
+    Ok(())
+}
+
+/// Single-device training: the reference every FSDP run is compared with. On the CPU (NdArray),
+/// or on emulated MetaX device 0 with `--device metax-emu`.
 pub fn train_single(args: &TrainArgs, setup: Setup, sink: &MetricsSink) -> Result<Vec<StepMetrics>> {
-    let device = device();
+    match args.device {
+        DeviceKind::MetaxEmu => train_single_on::<Autodiff<MetaxEmu>>(args, setup, sink, &MetaxEmuDevice::new(0)),
+        _ => train_single_on::<TrainBackend>(args, setup, sink, &device()),
+    }
+}
+
+/// Single-device training on any autodiff backend and device.
+pub fn train_single_on<AB: burn::tensor::backend::AutodiffBackend>(
+    args: &TrainArgs,
+    setup: Setup,
+    sink: &MetricsSink,
+    device: &AB::Device,
+) -> Result<Vec<StepMetrics>> {
+    let device = device.clone();
     let Setup { config, model, batches, steps, .. } = setup;
-    let mut model = Qwen3::<TrainBackend>::from_weights(&config, model.as_slice(), &device)?;
+    let mut model = Qwen3::<AB>::from_weights(&config, model.as_slice(), &device)?;
     let mut optim = args.adamw().init();
     let micro = args.grad_accum;
     let rows_per_micro = batches.rows / micro;
     let mut out = Vec::with_capacity(steps);
     for step in 0..steps {
         let start = Instant::now();
-        let mut accum = GradientsAccumulator::<Qwen3<TrainBackend>>::new();
+        let mut accum = GradientsAccumulator::<Qwen3<AB>>::new();
         let mut loss_sum = 0.0;
         for m in 0..micro {
             let tokens =
-                batches.rows::<TrainBackend>(step, m * rows_per_micro..(m + 1) * rows_per_micro, &device);
+                batches.rows::<AB>(step, m * rows_per_micro..(m + 1) * rows_per_micro, &device);
             let (inputs, labels) = inputs_and_labels(tokens);
             let loss = cross_entropy(model.forward(inputs), labels).div_scalar(micro as f64);
-            loss_sum += loss.clone().into_scalar() as f64;
+            loss_sum += loss.clone().into_scalar().elem::<f64>();
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             accum.accumulate(&model, grads);
         }
@@ -1113,11 +1176,23 @@ where
 }
 
 /// FSDP training over in-process ranks (threads), `--world-size` of them or the ranks of
-/// `--mesh`/`--hsdp`; each rank trains on its slice of every step's batch.
+/// `--mesh`/`--hsdp`; each rank trains on its slice of every step's batch, all on the backend's
+/// default device.
 pub fn train_fsdp<B: burn::tensor::backend::Backend>(
     args: &TrainArgs,
     setup: Setup,
     sink: &MetricsSink,
+) -> Result<Vec<StepMetrics>> {
+    train_fsdp_on::<B>(args, setup, sink, |_| Default::default())
+}
+
+/// [`train_fsdp`] with rank `r` on device `device_of(r)` (e.g. one emulated MetaX device per
+/// rank).
+pub fn train_fsdp_on<B: burn::tensor::backend::Backend>(
+    args: &TrainArgs,
+    setup: Setup,
+    sink: &MetricsSink,
+    device_of: impl Fn(usize) -> B::Device + Sync,
 ) -> Result<Vec<StepMetrics>> {
     use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
     let topology = args.topology();
@@ -1134,7 +1209,7 @@ pub fn train_fsdp<B: burn::tensor::backend::Backend>(
                     outer: group,
                     inner: None,
                     gate: None,
-                    device: Default::default(),
+                    device: device_of(rank),
                 },
                 sink,
             )
@@ -1155,7 +1230,7 @@ pub fn train_fsdp<B: burn::tensor::backend::Backend>(
                     outer: outer.clone(),
                     inner: Some(inner.clone()),
                     gate: Some(group.clone()),
-                    device: Default::default(),
+                    device: device_of(rank),
                 };
                 // A failing rank aborts its mesh groups too, so that no peer waits for it.
                 let fail = |why: &str| {

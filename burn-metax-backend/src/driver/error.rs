@@ -235,6 +235,26 @@ pub enum DriverError {
         /// The sticky error.
         error: MacaError,
     },
+    /// A kernel faulted on the emulated MetaX device ([`crate::emu`]): a barrier or wave
+    /// operation in divergent control flow, an invalid launch, … The device is poisoned as after
+    /// a sticky error on hardware; `reason` says what the emulator saw.
+    #[error("device {device} is poisoned: kernel `{kernel}` faulted on the emulated MetaX device: {reason}")]
+    KernelFault {
+        /// The device ordinal.
+        device: usize,
+        /// The kernel's name.
+        kernel: String,
+        /// What went wrong, with the source lines involved.
+        reason: String,
+    },
+    /// A host-side wait gave up (the emulated device's `METAX_EMU_WAIT_TIMEOUT`).
+    #[error("{call} timed out after {seconds} s: queued work did not complete")]
+    Timeout {
+        /// The call that waited.
+        call: &'static str,
+        /// How long it waited.
+        seconds: u64,
+    },
     /// A run-time compiler call failed.
     #[error("{call} failed: {error}")]
     Rtc {

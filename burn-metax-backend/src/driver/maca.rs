@@ -380,6 +380,18 @@ impl Driver for MacaDriver {
         "maca"
     }
 
+    fn compiler_fingerprint(&self) -> String {
+        // `mcrtc` lives in the runtime library (or beside it): a different SDK is a different
+        // file, size or modification time.
+        let meta = std::fs::metadata(&self.runtime_path).ok();
+        let size = meta.as_ref().map_or(0, std::fs::Metadata::len);
+        let modified = meta
+            .and_then(|m| m.modified().ok())
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_nanos());
+        format!("maca:{}:{size}:{modified}", self.runtime_path.display())
+    }
+
     fn device_count(&self) -> Result<usize> {
         let mut count: c_int = 0;
         // SAFETY: `count` is a valid out-pointer.

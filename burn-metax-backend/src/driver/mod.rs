@@ -293,6 +293,14 @@ pub trait Driver: Send + Sync + fmt::Debug {
     /// Destroys a program.
     fn rtc_destroy_program(&self, program: ProgramHandle) -> Result<()>;
 
+    /// What identifies the run-time compiler's output for the persistent kernel cache
+    /// ([`crate::runtime::compile_cache`]): two drivers with the same fingerprint produce
+    /// interchangeable images for the same source and options. The default is the driver's name;
+    /// drivers add their compiler's version or library identity.
+    fn compiler_fingerprint(&self) -> String {
+        self.name().to_string()
+    }
+
     /// Compiles `source` into a loadable image: create, compile, read the log and the binary,
     /// destroy. A rejected program gives [`DriverError::Compilation`] with the log.
     fn compile(&self, source: &str, name: &str, options: &[&str]) -> Result<CompiledProgram> {

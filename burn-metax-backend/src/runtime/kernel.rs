@@ -1,6 +1,6 @@
 //! The kernel cache: CubeCL kernel → C++ source (cubecl-cpp with the platform's dialect) →
-//! binary (the platform's run-time compiler, through the [`Driver`]) → loaded module and function,
-//! cached by kernel id; and the launch.
+//! binary (the platform's run-time compiler, through the [`Driver`] and the persistent
+//! [`super::compile_cache`]) → loaded module and function, cached by kernel id; and the launch.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -81,8 +81,13 @@ impl KernelCache {
         logger.log_compilation(&compiled);
 
         let options: Vec<&str> = self.rtc_options.iter().map(String::as_str).collect();
-        let program =
-            self.driver.compile(&compiled.source, &compiled.entrypoint_name, &options).map_err(|err| {
+        let program = super::compile_cache::compile(
+            self.driver.as_ref(),
+            &compiled.source,
+            &compiled.entrypoint_name,
+            &options,
+        )
+        .map_err(|err| {
                 match err {
                     DriverError::Compilation { .. } => {
                         compilation_error(format!("{err}\n[source]\n{}", compiled.source))

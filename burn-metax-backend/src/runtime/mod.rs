@@ -9,8 +9,10 @@
 //! [`crate::dialect::MacaDialect`]), and with the `cuda-proxy` feature `CudaProxyPlatform`
 //! (NVIDIA: CUDA driver API, NVRTC, cubecl-cpp's CUDA dialect).
 
+pub mod compile_cache;
 #[cfg(feature = "cuda-proxy")]
 mod cuda_platform;
+mod emu_platform;
 mod error;
 mod fence;
 mod kernel;
@@ -22,6 +24,9 @@ mod stream;
 
 #[cfg(feature = "cuda-proxy")]
 pub use cuda_platform::{CUDA_PROXY_DEVICE_TYPE_ID, CudaProxyDevice, CudaProxyPlatform, cuda_driver};
+pub use emu_platform::{
+    METAX_EMU_DEVICE_TYPE_ID, MetaxEmuDevice, MetaxEmuPlatform, emu_driver, install_emu_driver,
+};
 pub use error::BackendError;
 pub use fence::Fence;
 pub use platform::{
@@ -63,6 +68,10 @@ impl<P: Platform> std::fmt::Debug for DriverRuntime<P> {
 
 /// The CubeCL runtime for MetaX GPUs.
 pub type MacaRuntime = DriverRuntime<MacaPlatform>;
+
+/// The CubeCL runtime of the emulated MetaX device ([`crate::emu`]): the same server and MACA
+/// dialect as [`MacaRuntime`], over the host-CPU emulator instead of the MACA runtime.
+pub type MetaxEmuRuntime = DriverRuntime<MetaxEmuPlatform>;
 
 /// The CubeCL runtime of the CUDA proxy (the MetaX server on NVIDIA GPUs).
 #[cfg(feature = "cuda-proxy")]

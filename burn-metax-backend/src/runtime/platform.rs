@@ -40,6 +40,11 @@ pub trait Platform: Clone + fmt::Debug + Send + Sync + 'static {
     /// A sentence explaining why no device is available, for errors (`driver_error` is why the
     /// driver did not load, if it did not).
     fn unavailable_reason(driver_error: Option<&DriverError>) -> String;
+
+    /// Whether the device computes in f64 (registered as a supported CubeCL type). CubeCL's C++
+    /// runtimes leave f64 out on CUDA (`cubecl_cpp::register_supported_types`: a matmul failure
+    /// there); MetaX C500-class GPUs have FP64 units, and the MACA platform enables it.
+    const F64: bool = false;
 }
 
 /// The MetaX platform: [`MacaDriver`] (MACA runtime + `mcrtc`) and [`MacaDialect`] (wave 64).
@@ -107,6 +112,7 @@ impl Platform for MacaPlatform {
     type Dialect = MacaDialect;
     type Device = MacaDevice;
     const NAME: &'static str = "metax";
+    const F64: bool = true;
 
     fn driver() -> Result<Arc<dyn Driver>, DriverError> {
         maca_driver().map(|d| d as Arc<dyn Driver>)

@@ -21,8 +21,9 @@ use cubecl_common::profile::{ProfileDuration, TimingMethod};
 use cubecl_common::stream_id::StreamId;
 use cubecl_core::device::{DeviceService, ServerUtilitiesHandle};
 use cubecl_core::ir::{
-    DeviceProperties as CubeDeviceProperties, HardwareProperties, MemoryDeviceProperties, VectorSize,
-    features::Plane,
+    DeviceProperties as CubeDeviceProperties, ElemType, FloatKind, HardwareProperties, MemoryDeviceProperties,
+    VectorSize,
+    features::{Plane, TypeUsage},
 };
 use cubecl_core::server::{
     Binding, CopyDescriptor, Handle, IoError, KernelArguments, LaunchError, ProfileError, ProfilingToken,
@@ -99,8 +100,20 @@ pub(crate) fn check_device<P: Platform>(
     driver.device_properties(index).map_err(|error| BackendError::Driver { platform: P::NAME, index, error })
 }
 
+/// The widest vector CubeCL may use on the device.
+///
+/// At wave 64, cubek's unit matmul (the one Burn's matmul uses without tensor cores) sizes its
+/// stage as 8 planes × 64 lanes × tiles whose side is the vector width; with 8-wide f16/bf16
+/// vectors (128-bit loads) that stage needs 128 KiB of shared memory, twice a 64 KiB block's
+/// budget, and the launch fails (found on the emulated device: `conformance --backend
+/// metax-emu`, `…/f16/matmul.*`). Four-wide vectors keep f32 as it is and give f16/bf16 the
+/// f32 stage size (32 KiB).
+fn max_vector_size(props: &crate::driver::DeviceProperties) -> VectorSize {
+    if props.warp_size >= 64 && props.max_shared_memory_per_block <= 64 << 10 { 4 } else { VectorSize::MAX }
+}
+
 /// CubeCL's view of a device.
-fn cube_properties(props: &crate::driver::DeviceProperties) -> CubeDeviceProperties {
+fn cube_properties<P: Platform>(props: &crate::driver::DeviceProperties) -> CubeDeviceProperties {
     let memory = MemoryDeviceProperties {
         max_page_size: (props.total_memory as u64 / 4).max(64 << 20),
         alignment: DEVICE_MEMORY_ALIGNMENT as u64,
@@ -118,13 +131,16 @@ fn cube_properties(props: &crate::driver::DeviceProperties) -> CubeDevicePropert
         num_tensor_cores: None,
         min_tensor_cores_dim: None,
         num_cpu_cores: None,
-        max_vector_size: VectorSize::MAX,
+        max_vector_size: max_vector_size(props),
     };
     // Profiling measures host time around stream synchronisation (as cubecl-hip does); the
     // driver's timing events are not used for it.
     let mut properties =
         CubeDeviceProperties::new(Default::default(), memory, hardware, TimingMethod::System);
     register_supported_types(&mut properties);
+    if P::F64 {
+        properties.register_type_usage(ElemType::Float(FloatKind::F64), TypeUsage::all());
+    }
     properties.features.memory_reinterpret = true;
     properties.features.alignment = true;
     // Plane (wave) operations in uniform control flow only: the dialects use full-wave masks.
@@ -143,7 +159,7 @@ impl<P: Platform> GpuServer<P> {
         })?;
         driver.set_device(index).map_err(|error| BackendError::Driver { platform: P::NAME, index, error })?;
 
-        let properties = cube_properties(&props);
+        let properties = cube_properties::<P>(&props);
         let logger = Arc::new(ServerLogger::default());
         let registry = StreamRegistry::default();
         let backend = GpuStreamBackend::new(

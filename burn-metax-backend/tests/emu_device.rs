@@ -1,0 +1,308 @@
+//! Tier 1b: the emulated MetaX device (`metax-emu`) runs the kernels the MACA dialect generates,
+//! compiled by the host C++ compiler, at wave size 64 — and the server's stream ordering with
+//! really asynchronous streams.
+//!
+//! The process's emulated devices (installed once, before any client exists):
+//! - 0: wave 64 (MetaX), the reference device;
+//! - 1: wave **32**, to show that wave-64 code with plane operations goes wrong on it;
+//! - 2: wave 64 with a 150 ms delay before every kernel, so a missing stream wait is certain to
+//!   read stale data;
+//! - 3: wave 64, for the kernel that faults (a fault poisons its device).
+
+mod gpu_checks;
+
+use std::sync::Once;
+use std::time::Duration;
+
+use burn::tensor::{Tensor, TensorData};
+use burn_metax_backend::emu::{EmuConfig, EmuDeviceConfig, EmuDriver};
+use burn_metax_backend::runtime::{MetaxEmuPlatform, install_emu_driver};
+use burn_metax_backend::{MetaxEmu, MetaxEmuDevice, MetaxEmuRuntime};
+use cubecl_core as cubecl;
+use cubecl_core::prelude::*;
+
+const WAVE64: MetaxEmuDevice = MetaxEmuDevice::new(0);
+const WAVE32: MetaxEmuDevice = MetaxEmuDevice::new(1);
+const SLOW: MetaxEmuDevice = MetaxEmuDevice::new(2);
+const FAULTY: MetaxEmuDevice = MetaxEmuDevice::new(3);
+const LAUNCH_DELAY: Duration = Duration::from_millis(150);
+
+fn setup() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let mut config = EmuConfig::uniform(4, EmuDeviceConfig { memory_bytes: 2 << 30, ..Default::default() });
+        config.devices[1].warp_size = 32;
+        config.devices[2].launch_delay = LAUNCH_DELAY;
+        config.wait_timeout = Duration::from_secs(120);
+        let driver = EmuDriver::new(config).expect("the emulated device needs g++ or clang++ (scripts/setup.sh)");
+        assert!(install_emu_driver(driver), "the emulated driver was built before this test's configuration");
+    });
+}
+
+fn client(device: &MetaxEmuDevice) -> ComputeClient<MetaxEmuRuntime> {
+    setup();
+    MetaxEmuRuntime::try_client(device).expect("emulated device")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Burn operations and autodiff against NdArray, on the wave-64 device
+
+#[test]
+fn burn_ops_match_ndarray() {
+    setup();
+    gpu_checks::ops_match_ndarray::<MetaxEmu>(&WAVE64);
+}
+
+#[test]
+fn burn_gradients_match_ndarray() {
+    setup();
+    gpu_checks::gradients_match_ndarray::<MetaxEmu>(&WAVE64);
+}
+
+#[test]
+fn copies_round_trip_and_streams_are_ordered() {
+    setup();
+    gpu_checks::copies_round_trip_and_streams_are_ordered::<MetaxEmuPlatform>(&WAVE64);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Wave size
+
+/// One result per plane: sum and max of the plane's values, the ballot of positive values, and
+/// the lane the plane elected.
+#[cube(launch)]
+fn plane_reduce(
+    input: &Array<f32>,
+    sums: &mut Array<f32>,
+    maxes: &mut Array<f32>,
+    ballots: &mut Array<Vector<u32, Const<4>>>,
+    elected: &mut Array<u32>,
+) {
+    let value = input[ABSOLUTE_POS];
+    let sum = plane_sum(value);
+    let max = plane_max(value);
+    let ballot = plane_ballot(value > 0.0);
+    let plane = ABSOLUTE_POS / 64usize;
+    if plane_elect() {
+        sums[plane] = sum;
+        maxes[plane] = max;
+        ballots[plane] = ballot;
+        elected[plane] = UNIT_POS_PLANE;
+    }
+}
+
+/// What `plane_reduce` computes on `input` with planes of 64 lanes.
+struct PlaneResults {
+    sums: Vec<f32>,
+    maxes: Vec<f32>,
+    ballots: Vec<u32>,
+    elected: Vec<u32>,
+}
+
+const BLOCK: u32 = 256;
+const BLOCKS: u32 = 3;
+
+fn plane_input() -> Vec<f32> {
+    // Small integers: every sum is exact in any order. About half the values are positive.
+    (0..BLOCK * BLOCKS).map(|i| ((i * 37 + 11) % 23) as f32 - 11.0).collect()
+}
+
+fn plane_reference(input: &[f32]) -> PlaneResults {
+    let planes: Vec<&[f32]> = input.chunks(64).collect();
+    PlaneResults {
+        sums: planes.iter().map(|p| p.iter().sum()).collect(),
+        maxes: planes.iter().map(|p| p.iter().copied().fold(f32::MIN, f32::max)).collect(),
+        ballots: planes
+            .iter()
+            .flat_map(|p| {
+                let bits = p.iter().enumerate().fold(0u64, |b, (i, v)| if *v > 0.0 { b | (1 << i) } else { b });
+                [bits as u32, (bits >> 32) as u32, 0, 0]
+            })
+            .collect(),
+        elected: vec![0; planes.len()],
+    }
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+fn u32s(bytes: &[u8]) -> Vec<u32> {
+    bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+fn run_plane_reduce(device: &MetaxEmuDevice) -> PlaneResults {
+    let client = client(device);
+    let input = plane_input();
+    let planes = input.len() / 64;
+    let sentinel = |n: usize| client.create_from_slice(&vec![0xA5u8; n * 4]);
+    let input_handle = client.create_from_slice(bytemuck_f32(&input));
+    let (sums, maxes, ballots, elected) = (sentinel(planes), sentinel(planes), sentinel(planes * 4), sentinel(planes));
+    // SAFETY: every array argument is a live handle of at least `length` elements of its type
+    // (`planes` f32s/u32s, `planes` 4-vectors of u32 = `planes * 4` u32s, and the input).
+    unsafe {
+        plane_reduce::launch::<MetaxEmuRuntime>(
+            &client,
+            CubeCount::Static(BLOCKS, 1, 1),
+            CubeDim::new_1d(BLOCK),
+            ArrayArg::from_raw_parts(input_handle, input.len()),
+            ArrayArg::from_raw_parts(sums.clone(), planes),
+            ArrayArg::from_raw_parts(maxes.clone(), planes),
+            ArrayArg::from_raw_parts(ballots.clone(), planes),
+            ArrayArg::from_raw_parts(elected.clone(), planes),
+        );
+    }
+    let read = |h| client.read_one(h).expect("read");
+    PlaneResults {
+        sums: f32s(&read(sums)),
+        maxes: f32s(&read(maxes)),
+        ballots: u32s(&read(ballots)),
+        elected: u32s(&read(elected)),
+    }
+}
+
+fn bytemuck_f32(values: &[f32]) -> &[u8] {
+    bytemuck::cast_slice(values)
+}
+
+/// Counts the entries that differ from the 64-lane reference.
+fn wrong_entries(got: &PlaneResults, want: &PlaneResults) -> usize {
+    fn diff<T: PartialEq>(a: &[T], b: &[T]) -> usize {
+        a.iter().zip(b).filter(|(x, y)| x != y).count() + a.len().abs_diff(b.len())
+    }
+    diff(&got.sums, &want.sums)
+        + diff(&got.maxes, &want.maxes)
+        + diff(&got.ballots, &want.ballots)
+        + diff(&got.elected, &want.elected)
+}
+
+#[test]
+fn plane_operations_are_right_at_wave_64() {
+    let want = plane_reference(&plane_input());
+    let got = run_plane_reduce(&WAVE64);
+    assert_eq!(got.sums, want.sums, "plane sums");
+    assert_eq!(got.maxes, want.maxes, "plane maxima");
+    assert_eq!(got.ballots, want.ballots, "64-bit ballots");
+    assert_eq!(got.elected, want.elected, "elected lanes");
+}
+
+/// The dialect's wave-64 code (64-bit masks, width-64 shuffles) on a device whose waves have 32
+/// lanes gives wrong numbers: wave bugs are visible to the suite.
+#[test]
+fn wave_64_code_is_wrong_on_a_32_lane_device() {
+    let want = plane_reference(&plane_input());
+    let got = run_plane_reduce(&WAVE32);
+    let wrong = wrong_entries(&got, &want);
+    let total = want.sums.len() * 3 + want.ballots.len();
+    eprintln!("wave-64 kernel on a 32-lane device: {wrong} of {total} results wrong");
+    assert!(wrong > 0, "the 32-lane device computed the 64-lane results: wave size has no effect");
+    // And element-wise kernels (no plane operations) are still right there.
+    let x = Tensor::<MetaxEmu, 1>::from_floats([1.0, 2.0, 3.0], &WAVE32);
+    assert_eq!((x * 2.0).into_data().to_vec::<f32>().expect("f32"), vec![2.0, 4.0, 6.0]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Faults
+
+/// Half of each block waits at a barrier the other half never reaches.
+#[cube(launch)]
+fn divergent_barrier(out: &mut Array<f32>) {
+    if UNIT_POS < 32 {
+        sync_cube();
+    }
+    out[ABSOLUTE_POS] = 1.0;
+}
+
+/// A barrier in divergent control flow is undefined on a GPU (usually a hang): the emulator
+/// reports it as a kernel fault naming the kernel, and the read fails instead of hanging.
+#[test]
+fn a_divergent_barrier_is_an_error_not_a_hang() {
+    let client = client(&FAULTY);
+    let out = client.create_from_slice(&[0u8; 128 * 4]);
+    // SAFETY: `out` holds 128 f32s, one per unit of the single 128-unit cube.
+    unsafe {
+        divergent_barrier::launch::<MetaxEmuRuntime>(
+            &client,
+            CubeCount::Static(1, 1, 1),
+            CubeDim::new_1d(128),
+            ArrayArg::from_raw_parts(out.clone(), 128),
+        );
+    }
+    let err = client.read_one(out).expect_err("a kernel with a divergent barrier must fail");
+    let text = format!("{err:?}");
+    assert!(text.contains("barrier") && text.contains("divergent_barrier"), "{text}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stream ordering: the seed's root cause
+
+/// FSDP's scenario in miniature: a gradient buffer is allocated on the training thread's stream
+/// (A); the communication thread reduces into it *in place* on its own stream (B — a side-stream
+/// reduce-scatter, here made slow by the device's launch delay); then the training thread
+/// offloads it to the host (a device-to-host copy on A). The buffer's stream is A, so CubeCL's
+/// per-binding stream tracking sees nothing to wait for: only the server's rule that a read waits
+/// for every stream's queued work (`GpuServer::read_inner`) makes A's copy see B's result.
+/// Without that wait the copy runs while B's kernel sleeps and reads the stale values.
+#[test]
+fn an_offload_copy_waits_for_a_side_stream_reduce_scatter() {
+    setup();
+    let n = 4096;
+    for round in 0..3 {
+        // Stream A: the gradient buffer, zeros.
+        let grad = Tensor::<MetaxEmu, 1>::zeros([n], &SLOW);
+        // Stream B: the "reduce-scatter" adds the other ranks' contributions in place (the tensor
+        // is moved to the thread, so Burn reuses its buffer).
+        let reduced = std::thread::spawn(move || grad.add_scalar(3.0).mul_scalar(2.0))
+            .join()
+            .expect("communication thread");
+        // Stream A again: the offload copy.
+        let offloaded: TensorData = reduced.into_data();
+        let values = offloaded.to_vec::<f32>().expect("f32");
+        let stale = values.iter().filter(|v| **v != 6.0).count();
+        assert_eq!(stale, 0, "round {round}: {stale} of {n} offloaded values are stale (e.g. {})", values[0]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Compile cache across processes
+
+/// Run in a child process by `kernels_compile_once_across_processes`: a few operations on the
+/// emulated device, then the cache counters.
+#[test]
+#[ignore = "child process of kernels_compile_once_across_processes (needs METAX_KERNEL_CACHE)"]
+fn compile_cache_child() {
+    let x = Tensor::<MetaxEmu, 2>::from_floats([[1.0, -2.0], [3.0, 4.0]], &MetaxEmuDevice::new(0));
+    let y = burn::tensor::activation::softmax(x.clone().matmul(x).exp(), 1).sum();
+    let _ = y.into_data();
+    let stats = burn_metax_backend::runtime::compile_cache::stats();
+    println!("CACHE compiled={} disk_hits={}", stats.compiled, stats.disk_hits);
+}
+
+#[test]
+fn kernels_compile_once_across_processes() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let run = || {
+        let out = std::process::Command::new(std::env::current_exe().expect("test binary"))
+            .args(["--exact", "compile_cache_child", "--ignored", "--nocapture", "--test-threads=1"])
+            .env("METAX_KERNEL_CACHE", dir.path())
+            .env("METAX_EMU_DEVICES", "1")
+            .output()
+            .expect("child test process");
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(out.status.success(), "child failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+        let line = stdout.lines().find(|l| l.starts_with("CACHE ")).unwrap_or_else(|| panic!("no counters:\n{stdout}"));
+        let field = |name: &str| -> u64 {
+            line.split_whitespace()
+                .find_map(|kv| kv.strip_prefix(name).and_then(|v| v.strip_prefix('=')))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("{name} in {line:?}"))
+        };
+        (field("compiled"), field("disk_hits"))
+    };
+    let (compiled, hits) = run();
+    assert!(compiled > 0 && hits == 0, "first run: compiled {compiled}, disk hits {hits}");
+    let files = std::fs::read_dir(dir.path()).expect("cache directory").count() as u64;
+    assert_eq!(files, compiled, "one cache file per compiled kernel");
+    let (again, hits) = run();
+    assert_eq!((again, hits), (0, compiled), "second run: compiled {again}, disk hits {hits}");
+}
