@@ -16,21 +16,30 @@ fn device() -> CudaProxyDevice {
 }
 
 #[test]
-#[cfg_attr(not(cuda_proxy_tests), ignore = "needs an NVIDIA GPU (build with --features cuda-proxy): set CUDA_PROXY_TESTS=1")]
+#[cfg_attr(
+    not(cuda_proxy_tests),
+    ignore = "needs an NVIDIA GPU (build with --features cuda-proxy): set CUDA_PROXY_TESTS=1"
+)]
 fn ops_match_ndarray() {
     let device = device();
     gpu_checks::ops_match_ndarray::<CudaProxy>(&device);
 }
 
 #[test]
-#[cfg_attr(not(cuda_proxy_tests), ignore = "needs an NVIDIA GPU (build with --features cuda-proxy): set CUDA_PROXY_TESTS=1")]
+#[cfg_attr(
+    not(cuda_proxy_tests),
+    ignore = "needs an NVIDIA GPU (build with --features cuda-proxy): set CUDA_PROXY_TESTS=1"
+)]
 fn gradients_match_ndarray() {
     let device = device();
     gpu_checks::gradients_match_ndarray::<CudaProxy>(&device);
 }
 
 #[test]
-#[cfg_attr(not(cuda_proxy_tests), ignore = "needs an NVIDIA GPU (build with --features cuda-proxy): set CUDA_PROXY_TESTS=1")]
+#[cfg_attr(
+    not(cuda_proxy_tests),
+    ignore = "needs an NVIDIA GPU (build with --features cuda-proxy): set CUDA_PROXY_TESTS=1"
+)]
 fn copies_round_trip_and_streams_are_ordered() {
     let device = device();
     gpu_checks::copies_round_trip_and_streams_are_ordered::<CudaProxyPlatform>(&device);

@@ -43,7 +43,10 @@ fn one_rank_through_mccl_matches_the_host() {
 
 /// One rank per visible MetaX GPU (threads of this process); needs at least two.
 #[test]
-#[cfg_attr(not(all(metax_tests, multi_gpu_tests)), ignore = "needs two or more MetaX GPUs: set METAX_TESTS=1 and MULTI_GPU_TESTS=1")]
+#[cfg_attr(
+    not(all(metax_tests, multi_gpu_tests)),
+    ignore = "needs two or more MetaX GPUs: set METAX_TESTS=1 and MULTI_GPU_TESTS=1"
+)]
 fn one_rank_per_gpu() {
     let (_, mccl) = setup();
     let devices = MacaRuntime::devices();

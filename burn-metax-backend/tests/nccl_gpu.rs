@@ -49,7 +49,10 @@ fn a_missing_nccl_is_an_error() {
 }
 
 #[test]
-#[cfg_attr(not(cuda_proxy_tests), ignore = "needs an NVIDIA GPU and NCCL (build with --features cuda): set CUDA_PROXY_TESTS=1")]
+#[cfg_attr(
+    not(cuda_proxy_tests),
+    ignore = "needs an NVIDIA GPU and NCCL (build with --features cuda): set CUDA_PROXY_TESTS=1"
+)]
 fn one_rank_through_nccl_matches_the_host() {
     let device = first_device();
     let group = one_rank_group(device);
@@ -58,7 +61,10 @@ fn one_rank_through_nccl_matches_the_host() {
 }
 
 #[test]
-#[cfg_attr(not(cuda_proxy_tests), ignore = "needs an NVIDIA GPU and NCCL (build with --features cuda): set CUDA_PROXY_TESTS=1")]
+#[cfg_attr(
+    not(cuda_proxy_tests),
+    ignore = "needs an NVIDIA GPU and NCCL (build with --features cuda): set CUDA_PROXY_TESTS=1"
+)]
 fn one_rank_collectives_are_ordered_against_kernels() {
     let device = first_device();
     let group = one_rank_group(device);
@@ -66,7 +72,10 @@ fn one_rank_collectives_are_ordered_against_kernels() {
 }
 
 #[test]
-#[cfg_attr(not(cuda_proxy_tests), ignore = "needs an NVIDIA GPU and NCCL (build with --features cuda): set CUDA_PROXY_TESTS=1")]
+#[cfg_attr(
+    not(cuda_proxy_tests),
+    ignore = "needs an NVIDIA GPU and NCCL (build with --features cuda): set CUDA_PROXY_TESTS=1"
+)]
 fn a_group_of_one_skips_nccl_by_default() {
     let device = first_device();
     let id = NcclCommunicator::unique_id().expect("NCCL");
@@ -80,7 +89,10 @@ fn a_group_of_one_skips_nccl_by_default() {
 
 /// One rank per visible GPU (threads of this process); needs at least two.
 #[test]
-#[cfg_attr(not(all(cuda_proxy_tests, multi_gpu_tests)), ignore = "needs two or more NVIDIA GPUs with NCCL: set CUDA_PROXY_TESTS=1 and MULTI_GPU_TESTS=1")]
+#[cfg_attr(
+    not(all(cuda_proxy_tests, multi_gpu_tests)),
+    ignore = "needs two or more NVIDIA GPUs with NCCL: set CUDA_PROXY_TESTS=1 and MULTI_GPU_TESTS=1"
+)]
 fn one_rank_per_gpu() {
     let devices = CudaProxyRuntime::devices();
     assert!(devices.len() >= 2, "MULTI_GPU_TESTS=1 but only {} CUDA device(s)", devices.len());

@@ -1052,7 +1052,9 @@ fn check_emu_devices(args: &TrainArgs) -> Result<()> {
 /// or on emulated MetaX device 0 with `--device metax-emu`.
 pub fn train_single(args: &TrainArgs, setup: Setup, sink: &MetricsSink) -> Result<Vec<StepMetrics>> {
     match args.device {
-        DeviceKind::MetaxEmu => train_single_on::<Autodiff<MetaxEmu>>(args, setup, sink, &MetaxEmuDevice::new(0)),
+        DeviceKind::MetaxEmu => {
+            train_single_on::<Autodiff<MetaxEmu>>(args, setup, sink, &MetaxEmuDevice::new(0))
+        }
         _ => train_single_on::<TrainBackend>(args, setup, sink, &device()),
     }
 }
@@ -1076,8 +1078,7 @@ pub fn train_single_on<AB: burn::tensor::backend::AutodiffBackend>(
         let mut accum = GradientsAccumulator::<Qwen3<AB>>::new();
         let mut loss_sum = 0.0;
         for m in 0..micro {
-            let tokens =
-                batches.rows::<AB>(step, m * rows_per_micro..(m + 1) * rows_per_micro, &device);
+            let tokens = batches.rows::<AB>(step, m * rows_per_micro..(m + 1) * rows_per_micro, &device);
             let (inputs, labels) = inputs_and_labels(tokens);
             let loss = cross_entropy(model.forward(inputs), labels).div_scalar(micro as f64);
             loss_sum += loss.clone().into_scalar().elem::<f64>();
@@ -1203,14 +1204,7 @@ pub fn train_fsdp_on<B: burn::tensor::backend::Backend>(
             fsdp_rank::<B>(
                 args,
                 &setup,
-                RankGroups {
-                    topology,
-                    rank,
-                    outer: group,
-                    inner: None,
-                    gate: None,
-                    device: device_of(rank),
-                },
+                RankGroups { topology, rank, outer: group, inner: None, gate: None, device: device_of(rank) },
                 sink,
             )
         }),

@@ -24,8 +24,17 @@ const COOPERATIVE_MARKERS: &[&str] =
 
 /// Compiler flags of every kernel (the platform may add more, see
 /// [`crate::runtime::MetaxEmuPlatform`]).
-const BASE_FLAGS: &[&str] =
-    &["-std=c++17", "-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-fno-exceptions", "-fno-rtti", "-w", "-s"];
+const BASE_FLAGS: &[&str] = &[
+    "-std=c++17",
+    "-O2",
+    "-fPIC",
+    "-shared",
+    "-fvisibility=hidden",
+    "-fno-exceptions",
+    "-fno-rtti",
+    "-w",
+    "-s",
+];
 
 /// A host C++ compiler and the directory holding the emulation headers.
 #[derive(Debug, Clone)]
@@ -93,7 +102,11 @@ fn write_if_changed(path: &Path, text: &str) -> std::io::Result<()> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    let tmp = path.with_extension(format!("tmp.{}.{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed)));
+    let tmp = path.with_extension(format!(
+        "tmp.{}.{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    ));
     std::fs::write(&tmp, text)?;
     std::fs::rename(&tmp, path)
 }
@@ -111,8 +124,12 @@ impl HostCompiler {
         for cxx in candidates {
             match Command::new(&cxx).arg("--version").output() {
                 Ok(out) if out.status.success() => {
-                    let version =
-                        String::from_utf8_lossy(&out.stdout).lines().next().unwrap_or_default().trim().to_string();
+                    let version = String::from_utf8_lossy(&out.stdout)
+                        .lines()
+                        .next()
+                        .unwrap_or_default()
+                        .trim()
+                        .to_string();
                     let include = Self::install_headers()?;
                     return Ok(Self { cxx, version, include });
                 }
@@ -190,7 +207,11 @@ impl HostCompiler {
                 .arg(&src)
                 .output()
                 .map_err(|e| format!("running {}: {e}", self.cxx.display()))?;
-            let log = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+            let log = format!(
+                "{}{}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            );
             if !output.status.success() {
                 return Err(format!("{} exited with {}:\n{log}", self.cxx.display(), output.status));
             }

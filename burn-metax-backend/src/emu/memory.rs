@@ -81,7 +81,9 @@ impl DeviceMemory {
         self.used.fetch_sub(bytes, Ordering::Relaxed);
         // SAFETY: `ptr` was allocated by `alloc` with this size and alignment (it was live in the
         // map, now removed, so it is freed once); the caller guarantees nothing uses it.
-        unsafe { std::alloc::dealloc(ptr as *mut u8, Layout::from_size_align_unchecked(bytes, DEVICE_ALIGN)) };
+        unsafe {
+            std::alloc::dealloc(ptr as *mut u8, Layout::from_size_align_unchecked(bytes, DEVICE_ALIGN))
+        };
         Ok(())
     }
 
@@ -92,7 +94,11 @@ impl DeviceMemory {
             .range(..=ptr)
             .next_back()
             .is_some_and(|(&base, &size)| ptr.checked_add(len).is_some_and(|end| end <= base + size));
-        if inside { Ok(()) } else { Err(api(call, MacaError::from_code(17).unwrap_or(MacaError::INVALID_VALUE))) }
+        if inside {
+            Ok(())
+        } else {
+            Err(api(call, MacaError::from_code(17).unwrap_or(MacaError::INVALID_VALUE)))
+        }
     }
 
     /// Whether `ptr` is the base of a live allocation.
@@ -106,7 +112,9 @@ impl Drop for DeviceMemory {
         for (ptr, bytes) in std::mem::take(&mut *lock(&self.live)) {
             // SAFETY: every entry is a live allocation of `alloc`; the device is being dropped, so
             // no work can use it any more.
-            unsafe { std::alloc::dealloc(ptr as *mut u8, Layout::from_size_align_unchecked(bytes, DEVICE_ALIGN)) };
+            unsafe {
+                std::alloc::dealloc(ptr as *mut u8, Layout::from_size_align_unchecked(bytes, DEVICE_ALIGN))
+            };
         }
     }
 }
@@ -148,7 +156,9 @@ impl Drop for HostMemory {
     fn drop(&mut self) {
         for (ptr, bytes) in std::mem::take(&mut *lock(&self.live)) {
             // SAFETY: live allocations of `alloc`; the driver is being dropped.
-            unsafe { std::alloc::dealloc(ptr as *mut u8, Layout::from_size_align_unchecked(bytes, HOST_ALIGN)) };
+            unsafe {
+                std::alloc::dealloc(ptr as *mut u8, Layout::from_size_align_unchecked(bytes, HOST_ALIGN))
+            };
         }
     }
 }
@@ -178,7 +188,9 @@ mod tests {
     fn capacity_is_enforced_and_fresh_memory_is_not_zero() {
         let memory = DeviceMemory::new(1000);
         let a = memory.alloc(600).expect("alloc");
-        assert!(matches!(memory.alloc(600), Err(DriverError::Api { error, .. }) if error == MacaError::MEMORY_ALLOCATION));
+        assert!(
+            matches!(memory.alloc(600), Err(DriverError::Api { error, .. }) if error == MacaError::MEMORY_ALLOCATION)
+        );
         // SAFETY: `a` is a live 600-byte allocation.
         assert_eq!(unsafe { *(a as *const u8) }, 0xCD);
         // SAFETY: nothing uses `a`.

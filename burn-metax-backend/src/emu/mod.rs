@@ -158,7 +158,11 @@ impl DeviceState {
     }
 
     fn error(&self) -> Option<DriverError> {
-        self.fault().map(|f| DriverError::KernelFault { device: self.index, kernel: f.kernel, reason: f.reason })
+        self.fault().map(|f| DriverError::KernelFault {
+            device: self.index,
+            kernel: f.kernel,
+            reason: f.reason,
+        })
     }
 }
 
@@ -300,7 +304,8 @@ impl EmuDriver {
 
     /// Waits for every stream of `device`.
     fn drain_device(&self, device: &Arc<DeviceState>, call: &'static str) -> Result<()> {
-        let streams: Vec<Arc<Stream>> = lock(&device.streams).iter().filter_map(std::sync::Weak::upgrade).collect();
+        let streams: Vec<Arc<Stream>> =
+            lock(&device.streams).iter().filter_map(std::sync::Weak::upgrade).collect();
         for stream in streams.iter().chain(device.default_stream.get()) {
             self.drain(stream, call)?;
         }
@@ -424,17 +429,35 @@ impl Driver for EmuDriver {
         unsafe { self.host.free(ptr.as_raw()) }
     }
 
-    unsafe fn memcpy_htod_async(&self, dst: DevicePtr, src: *const u8, len: usize, stream: StreamHandle) -> Result<()> {
+    unsafe fn memcpy_htod_async(
+        &self,
+        dst: DevicePtr,
+        src: *const u8,
+        len: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
         self.check_device_range("mcMemcpyAsync", dst.as_raw(), len)?;
         self.queue_copy(dst.as_raw(), src as usize, len, stream)
     }
 
-    unsafe fn memcpy_dtoh_async(&self, dst: *mut u8, src: DevicePtr, len: usize, stream: StreamHandle) -> Result<()> {
+    unsafe fn memcpy_dtoh_async(
+        &self,
+        dst: *mut u8,
+        src: DevicePtr,
+        len: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
         self.check_device_range("mcMemcpyAsync", src.as_raw(), len)?;
         self.queue_copy(dst as usize, src.as_raw(), len, stream)
     }
 
-    unsafe fn memcpy_dtod_async(&self, dst: DevicePtr, src: DevicePtr, len: usize, stream: StreamHandle) -> Result<()> {
+    unsafe fn memcpy_dtod_async(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        len: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
         self.check_device_range("mcMemcpyAsync", src.as_raw(), len)?;
         self.check_device_range("mcMemcpyAsync", dst.as_raw(), len)?;
         self.queue_copy(dst.as_raw(), src.as_raw(), len, stream)
@@ -467,7 +490,9 @@ impl Driver for EmuDriver {
     }
 
     fn stream_destroy(&self, stream: StreamHandle) -> Result<()> {
-        let stream = lock(&self.streams).remove(&stream.as_raw()).ok_or_else(|| api("mcStreamDestroy", INVALID_HANDLE))?;
+        let stream = lock(&self.streams)
+            .remove(&stream.as_raw())
+            .ok_or_else(|| api("mcStreamDestroy", INVALID_HANDLE))?;
         stream.close();
         Ok(())
     }
@@ -495,7 +520,10 @@ impl Driver for EmuDriver {
 
     fn event_destroy(&self, event: EventHandle) -> Result<()> {
         // Queued records and waits hold their own reference to the event.
-        lock(&self.events).remove(&event.as_raw()).map(|_| ()).ok_or_else(|| api("mcEventDestroy", INVALID_HANDLE))
+        lock(&self.events)
+            .remove(&event.as_raw())
+            .map(|_| ())
+            .ok_or_else(|| api("mcEventDestroy", INVALID_HANDLE))
     }
 
     fn event_record(&self, event: EventHandle, stream: StreamHandle) -> Result<()> {
@@ -548,11 +576,17 @@ impl Driver for EmuDriver {
 
     fn module_unload(&self, module: ModuleHandle) -> Result<()> {
         // Launches still queued hold their own reference to the module.
-        lock(&self.modules).remove(&module.as_raw()).map(|_| ()).ok_or_else(|| api("mcModuleUnload", INVALID_HANDLE))
+        lock(&self.modules)
+            .remove(&module.as_raw())
+            .map(|_| ())
+            .ok_or_else(|| api("mcModuleUnload", INVALID_HANDLE))
     }
 
     fn module_get_function(&self, module: ModuleHandle, name: &str) -> Result<FunctionHandle> {
-        let loaded = lock(&self.modules).get(&module.as_raw()).cloned().ok_or_else(|| api("mcModuleGetFunction", INVALID_HANDLE))?;
+        let loaded = lock(&self.modules)
+            .get(&module.as_raw())
+            .cloned()
+            .ok_or_else(|| api("mcModuleGetFunction", INVALID_HANDLE))?;
         if loaded.name != name {
             return Err(api("mcModuleGetFunction", 500));
         }
@@ -626,7 +660,10 @@ impl Driver for EmuDriver {
     }
 
     fn rtc_program_log(&self, program: ProgramHandle) -> Result<String> {
-        lock(&self.programs).get(&program.as_raw()).map(|p| p.log.clone()).ok_or_else(|| rtc("metax_emu_log", 4))
+        lock(&self.programs)
+            .get(&program.as_raw())
+            .map(|p| p.log.clone())
+            .ok_or_else(|| rtc("metax_emu_log", 4))
     }
 
     fn rtc_bitcode(&self, program: ProgramHandle) -> Result<Vec<u8>> {
@@ -684,7 +721,9 @@ fn module_file(image: &[u8]) -> Result<PathBuf> {
     if std::fs::metadata(&path).is_ok_and(|m| m.len() == image.len() as u64) {
         return Ok(path);
     }
-    let io = |e: std::io::Error| DriverError::InvalidArgument(format!("writing kernel module {}: {e}", path.display()));
+    let io = |e: std::io::Error| {
+        DriverError::InvalidArgument(format!("writing kernel module {}: {e}", path.display()))
+    };
     std::fs::create_dir_all(&dir).map_err(io)?;
     let scratch = compiler::scratch_dir(&compiler::work_root(), "module").map_err(io)?;
     let tmp = scratch.join("module.so");

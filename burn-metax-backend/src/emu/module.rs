@@ -279,7 +279,8 @@ impl Arena {
         }
         for slot in 0..MAX_LANES {
             // SAFETY: the page lies inside the mapping just created.
-            let guarded = unsafe { libc::mprotect(base.cast::<u8>().add(slot * stride).cast(), page, libc::PROT_NONE) };
+            let guarded =
+                unsafe { libc::mprotect(base.cast::<u8>().add(slot * stride).cast(), page, libc::PROT_NONE) };
             if guarded != 0 {
                 // SAFETY: unmapping the mapping created above, which nothing uses yet.
                 unsafe { libc::munmap(base, total) };
@@ -301,7 +302,10 @@ impl Drop for Arena {
         if !self.shared.is_null() {
             // SAFETY: allocated in `new` with this layout.
             unsafe {
-                std::alloc::dealloc(self.shared, std::alloc::Layout::from_size_align_unchecked(MAX_SHARED, 4096))
+                std::alloc::dealloc(
+                    self.shared,
+                    std::alloc::Layout::from_size_align_unchecked(MAX_SHARED, 4096),
+                )
             };
         }
     }

@@ -83,7 +83,11 @@ impl Event {
             if now >= deadline {
                 return false;
             }
-            state = self.done.wait_timeout(state, deadline - now).map(|(g, _)| g).unwrap_or_else(|e| e.into_inner().0);
+            state = self
+                .done
+                .wait_timeout(state, deadline - now)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|e| e.into_inner().0);
         }
         true
     }

@@ -39,7 +39,10 @@ impl Device for MetaxEmuDevice {
     }
 
     fn to_id(&self) -> DeviceId {
-        DeviceId { type_id: METAX_EMU_DEVICE_TYPE_ID, index_id: u16::try_from(self.index).unwrap_or(u16::MAX) }
+        DeviceId {
+            type_id: METAX_EMU_DEVICE_TYPE_ID,
+            index_id: u16::try_from(self.index).unwrap_or(u16::MAX),
+        }
     }
 }
 
@@ -101,7 +104,9 @@ impl Platform for MetaxEmuPlatform {
     fn unavailable_reason(driver_error: Option<&DriverError>) -> String {
         match driver_error {
             Some(err) => format!("the emulated MetaX device is unavailable: {err}"),
-            None => "the emulated MetaX device is configured with no devices (METAX_EMU_DEVICES=0)".to_string(),
+            None => {
+                "the emulated MetaX device is configured with no devices (METAX_EMU_DEVICES=0)".to_string()
+            }
         }
     }
 }

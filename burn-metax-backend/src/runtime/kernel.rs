@@ -87,14 +87,12 @@ impl KernelCache {
             &compiled.entrypoint_name,
             &options,
         )
-        .map_err(|err| {
-                match err {
-                    DriverError::Compilation { .. } => {
-                        compilation_error(format!("{err}\n[source]\n{}", compiled.source))
-                    }
-                    other => compilation_error(other.to_string()),
-                }
-            })?;
+        .map_err(|err| match err {
+            DriverError::Compilation { .. } => {
+                compilation_error(format!("{err}\n[source]\n{}", compiled.source))
+            }
+            other => compilation_error(other.to_string()),
+        })?;
         let module =
             self.driver.module_load_data(&program.image).map_err(|e| compilation_error(e.to_string()))?;
         let function = match self.driver.module_get_function(module, &compiled.entrypoint_name) {

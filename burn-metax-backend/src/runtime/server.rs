@@ -9,6 +9,17 @@
 //! read queues its copies, the reading stream waits (on the device, through events) for every
 //! other stream the server created, and the host then waits for the reading stream. See
 //! [`GpuServer::read`].
+//!
+//! Kernel launches and host → device writes follow the same rule: before queuing, their stream
+//! waits for the work queued so far on every other stream. CubeCL's per-binding tracking
+//! (`MultiStream::resolve`) orders a stream after the stream a buffer was *created* on, but not
+//! after another stream that wrote the buffer in place, nor — once the streams have synced past
+//! the buffer's creation — before memory freed on one stream is reused by another while a kernel
+//! queued elsewhere still reads it. FSDP hits both (its communication thread is a second
+//! stream): on the emulated device, whose streams are really asynchronous, Qwen3 W = 4 with
+//! prefetch trained on stale gradients (loss 6.9e-2, grad norm 2e2× off) until launches waited.
+//! The cost is one event per other stream per operation; the device then runs the streams'
+//! work in the order the host issued it.
 
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -21,8 +32,8 @@ use cubecl_common::profile::{ProfileDuration, TimingMethod};
 use cubecl_common::stream_id::StreamId;
 use cubecl_core::device::{DeviceService, ServerUtilitiesHandle};
 use cubecl_core::ir::{
-    DeviceProperties as CubeDeviceProperties, ElemType, FloatKind, HardwareProperties, MemoryDeviceProperties,
-    VectorSize,
+    DeviceProperties as CubeDeviceProperties, ElemType, FloatKind, HardwareProperties,
+    MemoryDeviceProperties, VectorSize,
     features::{Plane, TypeUsage},
 };
 use cubecl_core::server::{
@@ -254,6 +265,8 @@ impl<P: Platform> GpuServer<P> {
             CubeCount::Static(..) => None,
         };
         let mut streams = self.streams.resolve(stream_id, arguments.buffers.iter().chain(dynamic), false)?;
+        // The ordering rule (module docs): the launch waits for every stream's queued work.
+        Self::wait_for_all_streams(&self.driver, &self.registry, streams.current().handle);
 
         let grid = match count {
             CubeCount::Static(x, y, z) => [x, y, z],
@@ -281,6 +294,11 @@ impl<P: Platform> GpuServer<P> {
                 [word(0), word(4), word(8)]
             }
         };
+        // A grid with no cube does nothing; MACA (like CUDA) rejects it as an invalid
+        // configuration, and CubeCL issues such launches for empty tensors (an empty shard).
+        if grid.contains(&0) {
+            return Ok(());
+        }
 
         let KernelArguments { buffers, info, tensor_maps } = arguments;
         if !tensor_maps.is_empty() {
@@ -557,6 +575,8 @@ impl<P: Platform> ComputeServer for GpuServer<P> {
         else {
             return;
         };
+        // The ordering rule (module docs): the copies wait for every stream's queued work.
+        Self::wait_for_all_streams(&self.driver, &self.registry, streams.current().handle);
         for (CopyDescriptor { handle: binding, shape, strides, .. }, data) in descriptors {
             let result = (|| {
                 if !has_contiguous_row_major_strides(&shape, &strides) {

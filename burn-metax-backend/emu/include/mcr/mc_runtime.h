@@ -121,6 +121,10 @@ struct Wave {
     uint32_t arrived;
     uint32_t gen;
     int site;
+    // The lanes (bit i = lane i of the wave) that took part in the wave operations of even and
+    // odd generations: fixed when the operation completes, because a lane may run on and finish
+    // the kernel before the others have read the operation's result.
+    uint64_t members[2];
 };
 
 typedef void (*KernelFn)(void** params);
@@ -147,8 +151,12 @@ struct Block {
     uint64_t error_cap;
 };
 
-static thread_local Block* t_block = nullptr;
-static thread_local Lane* t_lane = nullptr;
+// The current block and lane of this OS thread. External linkage on purpose: with `static`, the
+// compiler may prove that the opaque `metax_emu_switch` cannot change them and keep `t_lane` in a
+// register across a fiber switch — a resumed lane would then act as the lane it switched to
+// (wrong `__lane_id()` after a wave operation; found by `plane_elect` electing lane 48).
+__attribute__((visibility("hidden"))) inline thread_local Block* t_block = nullptr;
+__attribute__((visibility("hidden"))) inline thread_local Lane* t_lane = nullptr;
 
 }  // namespace metax_emu
 
@@ -350,7 +358,21 @@ static inline void switch_away(bool finished) {
         t_lane = next;
         metax_emu_switch(save, next->sp);
     }
-    // Resumed: `t_lane` was set to this lane by whoever switched here.
+    // Resumed: `t_lane` was set to this lane by whoever switched here. Nothing read from memory
+    // before the switch may be reused after it.
+    __asm__ __volatile__("" ::: "memory");
+}
+
+// Completes the wave's current operation: records which lanes took part, then releases them.
+static inline void complete_wave_op(Block* b, Wave& w) {
+    const uint32_t base = uint32_t(&w - b->waves) * b->warp_size;
+    uint64_t mask = 0;
+    for (uint32_t i = 0; i < b->warp_size && base + i < b->n; ++i) {
+        if (b->lanes[base + i].state != LANE_DONE) mask |= uint64_t(1) << i;
+    }
+    w.members[w.gen & 1u] = mask;
+    w.arrived = 0;
+    ++w.gen;
 }
 
 static inline void release_finished_waits(Block* b, Wave& w) {
@@ -358,10 +380,7 @@ static inline void release_finished_waits(Block* b, Wave& w) {
         b->arrived = 0;
         ++b->gen;
     }
-    if (w.arrived > 0 && w.arrived == w.live) {
-        w.arrived = 0;
-        ++w.gen;
-    }
+    if (w.arrived > 0 && w.arrived == w.live) complete_wave_op(b, w);
 }
 
 // Block-wide barrier (`__syncthreads`).
@@ -413,8 +432,7 @@ static inline void wave_barrier(int site) {
     }
     l->site = site;
     if (++w.arrived == w.live) {
-        w.arrived = 0;
-        ++w.gen;
+        complete_wave_op(b, w);
         return;
     }
     l->state = LANE_WAVE_WAIT;
@@ -625,19 +643,27 @@ template <class T> static inline T shuffle_from(T v, int64_t src, int site) {
     return from_bits<T>(round[base + uint32_t(src)]);
 }
 
-// The wave's live lanes' bits of `pred` (lane i of the wave → bit i).
+// The lanes that took part in the caller's latest wave operation (bit i = lane i of the wave).
+static inline uint64_t last_op_members() {
+    Lane* l = t_lane;
+    return wave_of(t_block, l).members[(l->ops - 1u) & 1u];
+}
+
+// The bits of `pred` of the lanes taking part (lane i of the wave → bit i).
 static inline uint64_t ballot(int pred, int site) {
     Block* b = t_block;
     Lane* l = t_lane;
     uint64_t* round = exchange(pred != 0, site);
     const uint32_t base = l->linear - l->linear % b->warp_size;
+    const uint64_t members = last_op_members();
     uint64_t mask = 0;
     for (uint32_t i = 0; i < b->warp_size && base + i < b->n; ++i) {
-        if (b->lanes[base + i].state != LANE_DONE && round[base + i]) mask |= uint64_t(1) << i;
+        if ((members >> i & 1u) && round[base + i]) mask |= uint64_t(1) << i;
     }
     return mask;
 }
 
+// The wave's lanes that have not exited (outside a wave operation).
 static inline uint64_t live_mask() {
     Block* b = t_block;
     Lane* l = t_lane;
@@ -686,7 +712,8 @@ static inline uint64_t __ballot_sync(uint64_t, int pred, int site = __builtin_LI
     return ::metax_emu::ballot(pred, site);
 }
 static inline int __all_sync(uint64_t, int pred, int site = __builtin_LINE()) {
-    return ::metax_emu::ballot(pred, site) == ::metax_emu::live_mask();
+    const uint64_t votes = ::metax_emu::ballot(pred, site);
+    return votes == ::metax_emu::last_op_members();
 }
 static inline int __any_sync(uint64_t, int pred, int site = __builtin_LINE()) {
     return ::metax_emu::ballot(pred, site) != 0;
