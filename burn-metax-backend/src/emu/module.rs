@@ -77,9 +77,10 @@ impl Module {
         // (thread-local pointers, constant data), which have no preconditions.
         let library = unsafe { Library::open(Some(path), RTLD_NOW | RTLD_LOCAL) }
             .map_err(|e| invalid_image(format!("{}: {e}", path.display())))?;
-        // SAFETY (all four lookups): the symbols are defined by `METAX_EMU_ENTRY` in the header
-        // with exactly these types; the values are copied out while `library` is alive, and the
-        // function pointers are only called while the module (which owns `library`) is alive.
+        // The symbols are defined by `METAX_EMU_ENTRY` in the header with exactly the types
+        // looked up below; values are copied out while `library` is alive, and the function
+        // pointers are only called while the module (which owns `library`) is alive.
+        // SAFETY: as just said, `metax_emu_abi` is a `const uint32_t` of the loaded library.
         let abi = unsafe { library.get::<*const u32>(b"metax_emu_abi\0") }
             .map(|s| *s)
             .map_err(|e| invalid_image(e.to_string()))?;
