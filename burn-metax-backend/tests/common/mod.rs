@@ -172,6 +172,9 @@ impl Control {
 pub fn install_mock_runtime() {
     static INSTALLED: OnceLock<()> = OnceLock::new();
     INSTALLED.get_or_init(|| {
+        // The tests count the mock's `mcrtc` compilations: kernels must not come from the
+        // persistent cache that other test processes (or an earlier run) filled.
+        burn_metax_backend::runtime::compile_cache::set_directory(None);
         let driver =
             burn_metax_backend::driver::MacaDriver::load_from(mock_root()).expect("load the mock runtime");
         assert!(
