@@ -31,15 +31,23 @@ fn conformance_metax_emu() {
     assert_eq!(report.skipped(), 0, "{report}");
 }
 
-/// Worst relative loss and grad-norm differences of a tiny-a run against a fixture.
-fn run_vs(extra: &[&str], fixture: &str) -> (f64, f64) {
+/// The per-step losses and grad norms of a 20-step tiny-a run on the emulated device.
+fn run(extra: &[&str]) -> (Vec<f64>, Vec<f64>) {
     let mut argv = vec!["--device", "metax-emu", "--steps", "20"];
     argv.extend_from_slice(extra);
     let metrics = xtask::train::run(&train_args("qwen3-tiny-a", &argv)).unwrap();
+    (metrics.iter().map(|m| m.loss).collect(), metrics.iter().map(|m| m.grad_norm).collect())
+}
+
+/// Worst relative loss and grad-norm differences of a run against a fixture.
+fn diff((losses, norms): &(Vec<f64>, Vec<f64>), fixture: &str) -> (f64, f64) {
     let r = reference("qwen3-tiny-a", fixture);
-    let losses: Vec<f64> = metrics.iter().map(|m| m.loss).collect();
-    let norms: Vec<f64> = metrics.iter().map(|m| m.grad_norm).collect();
-    (max_rel_diff(&losses, &r.losses), max_rel_diff(&norms, &r.grad_norms))
+    (max_rel_diff(losses, &r.losses), max_rel_diff(norms, &r.grad_norms))
+}
+
+/// Worst relative loss and grad-norm differences of a tiny-a run against a fixture.
+fn run_vs(extra: &[&str], fixture: &str) -> (f64, f64) {
+    diff(&run(extra), fixture)
 }
 
 #[test]
@@ -69,8 +77,8 @@ fn qwen3_fsdp4_offload_on_the_emulator_reproduces_pytorch_fsdp2() {
 /// more closely than its fp32 run.
 #[test]
 fn qwen3_fsdp4_bf16_on_the_emulator_follows_pytorch_bf16() {
-    let (to_bf16, _) = run_vs(&["--world-size", "4", "--mixed-precision", "bf16"], "fsdp4_bf16");
-    let (to_fp32, _) = run_vs(&["--world-size", "4", "--mixed-precision", "bf16"], "fsdp4");
+    let series = run(&["--world-size", "4", "--mixed-precision", "bf16"]);
+    let ((to_bf16, _), (to_fp32, _)) = (diff(&series, "fsdp4_bf16"), diff(&series, "fsdp4"));
     println!("metax-emu W=4 bf16: loss vs fsdp4_bf16.json {to_bf16:.2e}, vs fsdp4.json {to_fp32:.2e}");
     assert!(to_bf16 < to_fp32, "closer to the fp32 run ({to_fp32:e}) than to the bf16 one ({to_bf16:e})");
     assert!(to_bf16 < 1e-3, "bf16 loss {to_bf16:e}");
