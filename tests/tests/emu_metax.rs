@@ -4,20 +4,19 @@
 //! (`scripts/setup.sh` installs g++).
 #![allow(clippy::unwrap_used)]
 
-use burn::backend::Autodiff;
-use burn_metax_backend::{MetaxEmu, MetaxEmuRuntime};
+use burn_metax_backend::MetaxEmuRuntime;
 use tests::{max_rel_diff, reference, train_args};
 
 /// Fewer passed cases than this means cases went missing (the full suite has 641: f32, f64,
-/// bf16, f16, int, bool, random and gradients).
-const MIN_PASSED: usize = 600;
+/// bf16, f16, int, bool, random and gradients; `run_cube` adds 168 kernel-strategy cases).
+const MIN_PASSED: usize = 800;
 
 #[test]
 fn conformance_metax_emu() {
     let device =
         MetaxEmuRuntime::first_device().expect("the emulated MetaX device (needs g++: scripts/setup.sh)");
     let t = std::time::Instant::now();
-    let report = burn_conformance::run::<Autodiff<MetaxEmu>>(&device, None);
+    let report = burn_conformance::run_cube::<MetaxEmuRuntime>(&device, None);
     let stats = burn_metax_backend::runtime::compile_cache::stats();
     println!(
         "metax-emu: {:.1} s, kernels compiled {}, from the disk cache {}",
@@ -29,6 +28,35 @@ fn conformance_metax_emu() {
     assert!(failures.is_empty(), "{} failed:\n{}", failures.len(), failures.join("\n"));
     assert!(report.passed() >= MIN_PASSED, "only {} cases passed (expected ≥ {MIN_PASSED})", report.passed());
     assert_eq!(report.skipped(), 0, "{report}");
+    // Kernels with wave operations ran: plane and cube-with-planes reductions, and the
+    // vector–matrix matmuls that reduce across a plane.
+    for kind in
+        ["reduce.plane.", "reduce.plane_independent.", "reduce.cube_planes.", "matmul.vecmat_inner_product"]
+    {
+        let ran = report.cases.iter().filter(|c| c.name.contains(kind)).count();
+        assert!(ran > 0, "no `{kind}` case ran: {report}");
+    }
+}
+
+/// cubek 0.2's double-buffered vector–matrix inner product (`DoubleVecMat`) on the emulated
+/// device gives wrong results for every batch but the last when batch > 1 and k ≥ 256 (here,
+/// batch 0 of 2 is off by up to 1.8e-1 relative; batch 1 is right; with batch 1, or k ≤ 128, it
+/// is right; the single-buffered `SimpleVecMat` is right on the same inputs). The values do not
+/// change when shared memory is poisoned between blocks or with the multiprocessor count, so
+/// it is not uninitialised shared memory or the persistent-cube schedule. Not yet known whether
+/// cubek or the MACA dialect is at fault: needs the same kernel on a GPU (`cuda-proxy`).
+/// burn-cubecl never selects it without autotune; with autotune it could (see
+/// docs/conformance.md, "Known wrong kernels").
+#[test]
+#[ignore = "known wrong: cubek DoubleVecMat with batch > 1 and k >= 256 on the emulated wave-64 device (docs/conformance.md)"]
+fn double_vecmat_batched() {
+    let device = MetaxEmuRuntime::first_device().unwrap();
+    let report = burn_conformance::run_cube_matmul::<MetaxEmuRuntime>(
+        &device,
+        "vecmat_inner_product_double",
+        [2, 1, 256, 64],
+    );
+    assert_eq!(report.failed(), 0, "{report}");
 }
 
 /// The per-step losses and grad norms of a 20-step tiny-a run on the emulated device.

@@ -97,9 +97,9 @@ pub fn run(args: &ConformanceArgs) -> Result<Status> {
             Status::Ran(burn_conformance::run::<Autodiff<Flex>>(&Default::default(), filter))
         }
         ConformanceBackend::MetaxEmu => {
-            use burn_metax_backend::{MetaxEmu, MetaxEmuRuntime};
+            use burn_metax_backend::MetaxEmuRuntime;
             match MetaxEmuRuntime::first_device() {
-                Ok(device) => Status::Ran(burn_conformance::run::<Autodiff<MetaxEmu>>(&device, filter)),
+                Ok(device) => Status::Ran(burn_conformance::run_cube::<MetaxEmuRuntime>(&device, filter)),
                 Err(e) => {
                     Status::Unavailable(format!("backend metax-emu: {e} (exit status {EXIT_UNAVAILABLE})"))
                 }
@@ -130,17 +130,17 @@ pub fn run(args: &ConformanceArgs) -> Result<Status> {
 /// no such device here.
 pub fn run_gpu_backend(name: &str, filter: Option<&str>) -> Result<Status> {
     if name == "metax" {
-        use burn_metax_backend::{MacaRuntime, Metax};
+        use burn_metax_backend::MacaRuntime;
         return Ok(match MacaRuntime::first_device() {
-            Ok(device) => Status::Ran(burn_conformance::run::<Autodiff<Metax>>(&device, filter)),
+            Ok(device) => Status::Ran(burn_conformance::run_cube::<MacaRuntime>(&device, filter)),
             Err(e) => Status::Unavailable(format!("backend metax: {e} (exit status {EXIT_UNAVAILABLE})")),
         });
     }
     #[cfg(feature = "cuda-proxy")]
     {
-        use burn_metax_backend::{CudaProxy, CudaProxyRuntime};
+        use burn_metax_backend::CudaProxyRuntime;
         Ok(match CudaProxyRuntime::first_device() {
-            Ok(device) => Status::Ran(burn_conformance::run::<Autodiff<CudaProxy>>(&device, filter)),
+            Ok(device) => Status::Ran(burn_conformance::run_cube::<CudaProxyRuntime>(&device, filter)),
             Err(e) => Status::Unavailable(format!("backend {name}: {e} (exit status {EXIT_UNAVAILABLE})")),
         })
     }

@@ -50,6 +50,8 @@
 //! the panic message) and the run goes on. The default panic hook still prints the panic.
 #![warn(missing_docs)]
 
+#[cfg(feature = "cube")]
+mod cube;
 mod forward;
 mod grads;
 mod harness;
@@ -60,6 +62,8 @@ mod random;
 use burn::tensor::DType;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
+#[cfg(feature = "cube")]
+pub use cube::run_cube_matmul;
 pub use harness::{Case, Outcome, Report};
 use harness::{Runner, dtype_name};
 
@@ -74,6 +78,28 @@ pub fn run<B: AutodiffBackend>(device: &B::Device, filter: Option<&str>) -> Repo
     plain_cases::<B>(&mut r, "autodiff", device);
     grads::grad_cases::<B>(&mut r, device);
     r.report
+}
+
+/// Runs the whole suite ([`run`]) on a CubeCL runtime's backend, `CubeBackend<R, f32, i32, u8>`
+/// (the element types of burn-metax-backend's `Metax`), then the kernel-strategy cases
+/// `cube/…`: every cubek reduce routine (plane and cube reductions included) and the matmul
+/// kernels burn-cubecl does not pick by default, so that kernels with plane (wave)
+/// operations run on the device too. Feature `cube`.
+///
+/// ```no_run
+/// # fn f<R: burn_cubecl::CubeRuntime>(device: &R::Device) {
+/// let report = burn_conformance::run_cube::<R>(device, None);
+/// assert_eq!(report.failed(), 0, "{report}");
+/// # }
+/// ```
+#[cfg(feature = "cube")]
+pub fn run_cube<R: burn_cubecl::CubeRuntime>(device: &R::Device, filter: Option<&str>) -> Report {
+    use burn::backend::Autodiff;
+    let mut report = run::<Autodiff<burn_cubecl::CubeBackend<R, f32, i32, u8>>>(device, filter);
+    let mut r = Runner::new(filter);
+    cube::strategy_cases::<R>(&mut r, device);
+    report.cases.extend(r.report.cases);
+    report
 }
 
 /// Runs only the forward cases (no autodiff) of a plain backend, named `<label>/…`.
