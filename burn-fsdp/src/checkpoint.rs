@@ -302,6 +302,25 @@ fn shard_values(p: &ShardedParam, rank: usize, full: &[f32]) -> Vec<f32> {
 }
 
 impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
+    /// Sharded checkpoints hold the sharded parameters and their optimizer state only: a model
+    /// with buffers or frozen parameters ([`Fsdp::replicated_tensors`]) would lose them
+    /// silently, so saving it is refused (every rank refuses, before any collective).
+    fn refuse_replicated(&self, dir: &Path) -> Result<(), CheckpointError> {
+        match self.replicated_tensors() {
+            [] => Ok(()),
+            names => Err(invalid(
+                dir,
+                format!(
+                    "sharded checkpoints do not store tensors that are not sharded yet: {} buffer(s) or \
+                     frozen parameter(s), e.g. `{}`; gather the parameters with `Fsdp::full_parameters` \
+                     and save the whole model with Burn's recorder instead",
+                    names.len(),
+                    names[0]
+                ),
+            )),
+        }
+    }
+
     /// Saves this rank's shards and `optim`'s state into `dir` (every rank calls this).
     ///
     /// `step` is the index of the next training step; `model_config` is stored and compared
@@ -313,6 +332,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         step: u64,
         model_config: &serde_json::Value,
     ) -> Result<(), CheckpointError> {
+        self.refuse_replicated(dir.as_ref())?;
         self.quiesce();
         let dir = dir.as_ref();
         let (rank, world) = (self.rank(), self.world());
@@ -391,6 +411,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         model_config: &serde_json::Value,
         tp: &TensorParallel<B::InnerBackend>,
     ) -> Result<(), CheckpointError> {
+        self.refuse_replicated(dir.as_ref())?;
         self.quiesce();
         if self.host_store().is_some() || self.replicate_group().is_some() {
             return Err(FsdpError::Config(

@@ -113,6 +113,20 @@ pub enum FsdpError {
     /// A collective failed.
     #[error(transparent)]
     Comm(#[from] CommError),
+    /// The forward failed while units had not been run through the runner: their parameters
+    /// were still this rank's shards (the usual cause: a block called directly instead of
+    /// through [`UnitRunner::run`]).
+    #[error(
+        "FSDP forward failed while unit(s) {units} had not been run through the runner: their parameters \
+         are this rank's shards, not whole tensors. Call each unit through the runner, e.g. \
+         `x = runner.run(&self.layers[i], x, |layer, x| layer.forward(x))`. The failure: {cause}"
+    )]
+    UnitNotRun {
+        /// The units not run before the failure, quoted and comma-separated.
+        units: String,
+        /// The panic message of the forward.
+        cause: String,
+    },
 }
 
 /// Tracks the dotted module path (`model.layers.0.mlp.up_proj.weight`) while a
@@ -138,7 +152,16 @@ impl PathStack {
 
 /// `(id, path, shape)` of every float parameter, in visiting order, each id once.
 pub(crate) fn describe_params<B: Backend, M: Module<B>>(module: &M) -> Vec<(ParamId, String, Vec<usize>)> {
-    struct Describe(PathStack, Vec<(ParamId, String, Vec<usize>)>);
+    describe_float_tensors::<B, M>(module).into_iter().map(|(id, path, shape, _)| (id, path, shape)).collect()
+}
+
+/// `(id, path, shape, requires_grad)` of every float tensor a module visits — trainable
+/// parameters, frozen parameters and buffers (`RunningState`, which Burn visits as float
+/// parameters that do not require grad) — in visiting order, each id once.
+pub(crate) fn describe_float_tensors<B: Backend, M: Module<B>>(
+    module: &M,
+) -> Vec<(ParamId, String, Vec<usize>, bool)> {
+    struct Describe(PathStack, Vec<(ParamId, String, Vec<usize>, bool)>);
     impl<B: Backend> ModuleVisitor<B> for Describe {
         fn enter_module(&mut self, name: &str, _: &str) {
             self.0.push(name);
@@ -148,7 +171,8 @@ pub(crate) fn describe_params<B: Backend, M: Module<B>>(module: &M) -> Vec<(Para
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             if !self.1.iter().any(|(id, ..)| *id == param.id) {
-                self.1.push((param.id, self.0.current(), param.val().dims().to_vec()));
+                let value = param.val();
+                self.1.push((param.id, self.0.current(), value.dims().to_vec(), value.is_require_grad()));
             }
         }
     }
@@ -214,6 +238,8 @@ pub struct Fsdp<B: FsdpBackend, M: Module<B>> {
     module: M,
     units: Vec<FsdpUnit<B::InnerBackend>>,
     param_unit: HashMap<ParamId, usize>,
+    /// Paths of the float tensors left whole on every rank: buffers and frozen parameters.
+    replicated: Vec<String>,
     mesh: DeviceMesh<B::InnerBackend>,
     sync: Arc<AtomicBool>,
     /// Gradients kept while sync is off, at world size 1 (where no gather op runs).
@@ -276,10 +302,26 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
                 )));
             }
         }
-        let described = describe_params::<B, M>(&model);
+        // FSDP2 shards parameters, never buffers: tensors that do not require grad (Burn's
+        // `RunningState` buffers such as BatchNorm's running statistics, and frozen parameters)
+        // stay whole and replicated on every rank, outside every collective.
+        let (described, replicated): (Vec<_>, Vec<_>) =
+            describe_float_tensors::<B, M>(&model).into_iter().partition(|(.., trainable)| *trainable);
         if described.is_empty() {
-            return Err(FsdpError::Config("the model has no float parameters to shard".into()));
+            return Err(FsdpError::Config(if replicated.is_empty() {
+                "the model has no float parameters to shard".into()
+            } else {
+                format!(
+                    "no parameter of the model requires grad ({} float tensors, e.g. `{}`, are buffers or \
+                     frozen): FSDP shards trainable parameters; build the model on an autodiff backend \
+                     with trainable parameters (a model loaded or cloned with `no_grad`/`valid()` has none)",
+                    replicated.len(),
+                    replicated[0].1
+                )
+            }));
         }
+        let replicated: Vec<String> = replicated.into_iter().map(|(_, path, ..)| path).collect();
+        let described = described.into_iter().map(|(id, path, shape, _)| (id, path, shape));
         // Group parameters: the root unit (name "") first, then units in visiting order.
         let mut unit_names: Vec<String> = vec![String::new()];
         let mut members: Vec<Vec<ShardedParam>> = vec![Vec::new()];
@@ -348,6 +390,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
             module,
             units,
             param_unit,
+            replicated,
             mesh: mesh.clone(),
             sync,
             stash: Mutex::new(None),
@@ -370,6 +413,14 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     /// The units, root first.
     pub fn units(&self) -> &[FsdpUnit<B::InnerBackend>] {
         &self.units
+    }
+
+    /// Module paths of the float tensors that are not sharded: those that do not require grad
+    /// — buffers (`RunningState`, e.g. BatchNorm's running statistics) and frozen parameters.
+    /// They stay whole on every rank, take part in no collective and get no gradient, as
+    /// buffers do under PyTorch FSDP2; each rank updates its own buffers in its forward.
+    pub fn replicated_tensors(&self) -> &[String] {
+        &self.replicated
     }
 
     /// The configuration.
@@ -418,7 +469,22 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     /// At world size 1 (without mixed precision) nothing needs gathering: the model runs on
     /// its parameters directly, so the computation (and its rounding) is exactly that of the
     /// unwrapped model.
+    ///
+    /// # Panics
+    /// When `f` panics: with [`FsdpError::UnitNotRun`]'s message if units had not been run
+    /// through the runner by then (the likely cause), else with `f`'s own panic.
+    /// [`try_forward`](Self::try_forward) returns the former as an error.
     pub fn forward<O>(&self, f: impl FnOnce(&M, &mut FsdpRunner<'_, B, M>) -> O) -> O {
+        match self.try_forward(f) {
+            Ok(out) => out,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// [`forward`](Self::forward), returning [`FsdpError::UnitNotRun`] instead of panicking
+    /// when `f` panics before every unit with sharded parameters went through the runner.
+    /// Other panics of `f` propagate unchanged.
+    pub fn try_forward<O>(&self, f: impl FnOnce(&M, &mut FsdpRunner<'_, B, M>) -> O) -> Result<O, FsdpError> {
         if let Some(p) = &self.prefetch
             && !self.bypass()
         {
@@ -429,8 +495,25 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         } else {
             self.gather_view(self.module.clone(), 0, None)
         };
-        let mut runner = FsdpRunner { fsdp: self };
-        f(&root, &mut runner)
+        let mut runner = FsdpRunner { fsdp: self, ran: vec![false; self.units.len()] };
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&root, &mut runner)));
+        let payload = match result {
+            Ok(out) => return Ok(out),
+            Err(payload) => payload,
+        };
+        let not_run: Vec<String> = (1..self.units.len())
+            .filter(|&u| !runner.ran[u] && !self.units[u].params.is_empty() && !self.bypass())
+            .map(|u| format!("`{}`", self.units[u].name))
+            .collect();
+        if not_run.is_empty() {
+            std::panic::resume_unwind(payload);
+        }
+        let cause = payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+            .unwrap_or_else(|| "a panic without a message".to_owned());
+        Err(FsdpError::UnitNotRun { units: not_run.join(", "), cause })
     }
 
     /// What the overlap of communication with compute achieved on this rank (see
@@ -743,19 +826,19 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         self.module = f(module);
     }
 
-    fn unit_of_module<U: Module<B>>(&self, module: &U) -> usize {
+    /// The unit of a module run through the runner; `None` for a module without sharded
+    /// parameters (only buffers or frozen parameters), which runs as it is.
+    fn unit_of_module<U: Module<B>>(&self, module: &U) -> Option<usize> {
         let ids = describe_params::<B, U>(module);
         let mut units = ids.iter().filter_map(|(id, ..)| self.param_unit.get(id).copied());
-        let Some(first) = units.next() else {
-            panic!("FSDP: a module run through the runner has no parameters known to this Fsdp")
-        };
+        let first = units.next()?;
         if let Some(other) = units.find(|&u| u != first) {
             panic!(
                 "FSDP: a module run through the runner mixes units `{}` and `{}`; run each unit separately",
                 self.units[first].name, self.units[other].name
             );
         }
-        first
+        Some(first)
     }
 
     /// A view of `module` with unit `u`'s parameters all-gathered (other parameters untouched).
@@ -928,6 +1011,8 @@ impl<B: FsdpBackend> ModuleMapper<B> for Unsharder<'_, B> {
 /// The [`UnitRunner`] of an [`Fsdp`] forward: gathers each unit just before it runs.
 pub struct FsdpRunner<'a, B: FsdpBackend, M: Module<B>> {
     fsdp: &'a Fsdp<B, M>,
+    /// Which units went through [`UnitRunner::run`] in this forward.
+    ran: Vec<bool>,
 }
 
 impl<B: FsdpBackend, M: Module<B>> UnitRunner<B> for FsdpRunner<'_, B, M> {
@@ -940,7 +1025,10 @@ impl<B: FsdpBackend, M: Module<B>> UnitRunner<B> for FsdpRunner<'_, B, M> {
         if self.fsdp.bypass() {
             return f(unit, x);
         }
-        let u = self.fsdp.unit_of_module(unit);
+        let Some(u) = self.fsdp.unit_of_module(unit) else {
+            return f(unit, x);
+        };
+        self.ran[u] = true;
         let anchor = x.clone().into_primitive().tensor();
         let view = self.fsdp.gather_view(unit.clone(), u, Some(anchor));
         let policy = self.fsdp.config.mp_policy;
