@@ -265,8 +265,12 @@ impl<B: FsdpBackend, M: Module<B>> std::fmt::Debug for Fsdp<B, M> {
 impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     /// Shards every parameter of `model` on dim 0 across the first dimension of `mesh`.
     ///
-    /// Every rank calls this with the same (fully initialised) model, built by the rank
-    /// itself: ranks must never share tracked tensors.
+    /// Every rank calls this with its own replica of the model, built by the rank itself:
+    /// ranks must never share tracked tensors. Rank 0's values are the truth: every float
+    /// tensor (parameters and buffers) is first broadcast from rank 0 (PyTorch's
+    /// `sync_module_states`), so replicas initialised differently — lazy initialisers re-run
+    /// by `clone`, per-rank seeds — still start identical. Parameters that do not require grad
+    /// (buffers, frozen weights) are not sharded (see [`Fsdp::replicated_tensors`]).
     pub fn wrap(model: M, mesh: &DeviceMesh<B::InnerBackend>, config: FsdpConfig) -> Result<Self, FsdpError> {
         // 1D mesh: FSDP over it. 2D mesh: HSDP, `(replicate, shard)`: parameters are sharded
         // over the inner dimension and replicated over the outer one.
@@ -302,6 +306,11 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
                 )));
             }
         }
+        let model = {
+            let mut groups = vec![&group];
+            groups.extend(replicate.as_ref());
+            crate::replicas::from_rank0::<B, M>(model, &groups)?
+        };
         // FSDP2 shards parameters, never buffers: tensors that do not require grad (Burn's
         // `RunningState` buffers such as BatchNorm's running statistics, and frozen parameters)
         // stay whole and replicated on every rank, outside every collective.

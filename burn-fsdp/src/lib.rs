@@ -12,7 +12,7 @@
 //!
 //! Module layout follows PyTorch's `_fully_shard/`: one concept per file — [`param`] (the
 //! sharded parameter), [`unit`] (the parameter group), [`collectives`], [`op`] (the autodiff
-//! hooks), [`fsdp`] (the public API).
+//! hooks), `replicas` (rank 0's values broadcast at wrap), [`fsdp`] (the public API).
 #![warn(missing_docs)]
 
 pub mod checkpoint;
@@ -30,6 +30,7 @@ pub mod op;
 pub mod optim;
 pub mod param;
 pub mod prefetch;
+mod replicas;
 pub mod runner;
 pub mod tcp;
 pub mod tp;

@@ -326,8 +326,13 @@ fn reshard_needs_balanced_checkpointing() {
     let mesh = DeviceMesh::<B>::new_1d(groups[0].clone(), Default::default());
     let err = Fsdp::wrap(Toy::<AB>::new(1, &Default::default()), &mesh, FsdpConfig::default()).unwrap_err();
     assert!(err.to_string().contains("BalancedCheckpointing"), "{err}");
-    let ok = FsdpConfig { reshard_after_forward: false, ..FsdpConfig::default() };
-    assert!(Fsdp::wrap(Toy::<AB>::new(1, &Default::default()), &mesh, ok).is_ok());
+    // Wrapping is collective (rank 0's values are broadcast): both ranks wrap.
+    launch(2, Duration::from_secs(30), |group| {
+        let mesh = DeviceMesh::<B>::new_1d(group, Default::default());
+        let ok = FsdpConfig { reshard_after_forward: false, ..FsdpConfig::default() };
+        Fsdp::wrap(Toy::<AB>::new(1, &Default::default()), &mesh, ok).map(|_| ())
+    })
+    .unwrap();
 }
 
 /// A unit with more parameters than the op takes as direct parents (the flat fallback).

@@ -1,6 +1,8 @@
-//! Buffers are not parameters (issue #16): Burn's `RunningState` tensors (BatchNorm's running
-//! statistics) and frozen parameters stay whole on every rank, outside every collective, as
-//! buffers do under PyTorch FSDP2.
+//! `Fsdp::wrap` on models Burn users write (issue #16): buffers are not parameters (Burn's
+//! `RunningState` tensors, BatchNorm's running statistics, and frozen parameters stay whole on
+//! every rank, outside every collective, as buffers do under PyTorch FSDP2); replicas start
+//! identical whatever each rank built (rank 0's values are broadcast at wrap); a unit called
+//! without the runner is named in the error.
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;
@@ -47,11 +49,16 @@ fn linear<B: Backend>(d_in: usize, d_out: usize, salt: usize, device: &B::Device
 
 impl<B: Backend> BnNet<B> {
     fn new(device: &B::Device) -> Self {
-        let block = |salt| Block {
-            linear: linear(WIDTH, WIDTH, salt, device),
+        Self::with_salt(0, device)
+    }
+
+    /// A different model for each `salt` (0: the reference one).
+    fn with_salt(salt: usize, device: &B::Device) -> Self {
+        let block = |k| Block {
+            linear: linear(WIDTH, WIDTH, k + salt, device),
             norm: BatchNormConfig::new(WIDTH).init(device),
         };
-        Self { blocks: vec![block(1), block(2)], head: linear(WIDTH, 1, 3, device) }
+        Self { blocks: vec![block(1), block(2)], head: linear(WIDTH, 1, 3 + salt, device) }
     }
 
     fn loss(&self, x: Tensor<B, 2>, y: Tensor<B, 2>, r: &mut impl UnitRunner<B>) -> Tensor<B, 1> {
@@ -101,12 +108,21 @@ fn single(world: usize) -> Vec<f64> {
 }
 
 fn fsdp(world: usize, prefetch: bool) -> Vec<f64> {
+    fsdp_with(world, prefetch, |_| 0)
+}
+
+/// FSDP training; rank `r` builds its replica with `salt(r)` (rank 0's must be 0).
+fn fsdp_with(
+    world: usize,
+    prefetch: bool,
+    salt: impl Fn(usize) -> usize + Send + Sync + Copy + 'static,
+) -> Vec<f64> {
     launch(world, Duration::from_secs(60), move |group| {
         let device = Default::default();
         let rank = group.rank();
         let mesh = DeviceMesh::new_1d(group, device);
-        let mut fsdp =
-            Fsdp::wrap(BnNet::<FB>::new(&device), &mesh, FsdpConfig { prefetch, ..FsdpConfig::default() })?;
+        let model = BnNet::<FB>::with_salt(salt(rank), &device);
+        let mut fsdp = Fsdp::wrap(model, &mesh, FsdpConfig { prefetch, ..FsdpConfig::default() })?;
         // The running statistics stay whole and replicated; the parameters are sharded.
         let replicated = fsdp.replicated_tensors().to_vec();
         assert_eq!(replicated.len(), 4, "{replicated:?}");
@@ -148,6 +164,20 @@ fn batchnorm_trains_under_fsdp_like_per_rank_micro_batches_on_one_device() {
             assert!(d < 1e-5, "W = {world}, prefetch {prefetch}: {d:e}\n{got:?}\n{want:?}");
         }
     }
+}
+
+#[test]
+fn replicas_built_differently_start_from_rank_0s_values() {
+    // Ranks 1 and 2 build other weights (as a clone re-running lazy initialisers, or per-rank
+    // seeds, would); wrap broadcasts rank 0's, so training is that of rank 0's model.
+    let want = single(3);
+    let got = fsdp_with(3, true, |rank| rank * 5);
+    let d = max_rel_diff(&got, &want);
+    assert!(d < 1e-5, "{d:e}\n{got:?}\n{want:?}");
+    // Without the broadcast the run would differ: the models themselves differ.
+    let other = BnNet::<AB>::with_salt(5, &Default::default());
+    let base = BnNet::<AB>::new(&Default::default());
+    assert_ne!(other.head.weight.val().into_data(), base.head.weight.val().into_data());
 }
 
 #[test]
