@@ -1,6 +1,11 @@
 //! burn-fsdp core against single-device Burn and the PyTorch FSDP2 fixtures.
 #![allow(clippy::unwrap_used)]
 
+/// FSDP on models Burn users write (issue #16): buffers, replicas, runner errors. A module of
+/// this test binary rather than its own, to save a link of the test crate in CI.
+#[path = "fsdp_core/any_model.rs"]
+mod any_model;
+
 use std::time::{Duration, Instant};
 
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;

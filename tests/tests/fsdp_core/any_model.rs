@@ -3,7 +3,6 @@
 //! every rank, outside every collective, as buffers do under PyTorch FSDP2); replicas start
 //! identical whatever each rank built (rank 0's values are broadcast at wrap); a unit called
 //! without the runner is named in the error.
-#![allow(clippy::unwrap_used)]
 
 use std::time::Duration;
 
