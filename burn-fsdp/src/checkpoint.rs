@@ -29,7 +29,7 @@ use crate::fsdp::{Fsdp, FsdpError};
 use crate::io::{IoError, SafetensorsFile, TensorOut, io_err, write_atomic, write_safetensors};
 use crate::offload::{HostAdam, HostParam};
 use crate::op::FsdpBackend;
-use crate::optim::{AdamState, AdamW, AdamWConfig};
+use crate::optim::{AdamState, TorchAdamW, TorchAdamWConfig};
 use crate::param::ShardedParam;
 use crate::tp::TensorParallel;
 
@@ -94,8 +94,8 @@ pub struct OptimizerEntry {
     pub weight_decay: f64,
 }
 
-impl From<AdamWConfig> for OptimizerEntry {
-    fn from(c: AdamWConfig) -> Self {
+impl From<TorchAdamWConfig> for OptimizerEntry {
+    fn from(c: TorchAdamWConfig) -> Self {
         Self { lr: c.lr, betas: c.betas, eps: c.eps, weight_decay: c.weight_decay }
     }
 }
@@ -245,7 +245,7 @@ fn write_index(
     world: usize,
     step: u64,
     model_config: &serde_json::Value,
-    optim: &AdamWConfig,
+    optim: &TorchAdamWConfig,
     params: Vec<ParamEntry>,
 ) -> Result<(), CheckpointError> {
     let files = (0..world)
@@ -328,7 +328,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     pub fn save_sharded(
         &self,
         dir: impl AsRef<Path>,
-        optim: &AdamW<B::InnerBackend>,
+        optim: &TorchAdamW<B::InnerBackend>,
         step: u64,
         model_config: &serde_json::Value,
     ) -> Result<(), CheckpointError> {
@@ -406,7 +406,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     pub fn save_sharded_tp(
         &self,
         dir: impl AsRef<Path>,
-        optim: &AdamW<B::InnerBackend>,
+        optim: &TorchAdamW<B::InnerBackend>,
         step: u64,
         model_config: &serde_json::Value,
         tp: &TensorParallel<B::InnerBackend>,
@@ -508,7 +508,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     pub fn load_sharded(
         &mut self,
         dir: impl AsRef<Path>,
-        optim: &mut AdamW<B::InnerBackend>,
+        optim: &mut TorchAdamW<B::InnerBackend>,
         model_config: &serde_json::Value,
     ) -> Result<CheckpointIndex, CheckpointError> {
         self.load_sharded_with(dir, optim, model_config, None)
@@ -521,7 +521,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     pub fn load_sharded_with(
         &mut self,
         dir: impl AsRef<Path>,
-        optim: &mut AdamW<B::InnerBackend>,
+        optim: &mut TorchAdamW<B::InnerBackend>,
         model_config: &serde_json::Value,
         tp: Option<&TensorParallel<B::InnerBackend>>,
     ) -> Result<CheckpointIndex, CheckpointError> {

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
-use burn::optim::GradientsParams;
+use burn::optim::{GradientsParams, LearningRate, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
@@ -17,7 +17,7 @@ use crate::comm::{CommError, CommStats, ProcessGroup, ReduceOp, Tag};
 use crate::mesh::DeviceMesh;
 use crate::offload::{HostStore, OffloadPolicy};
 use crate::op::FsdpBackend;
-use crate::optim::{AdamW, clip_coefficient, grad_sq_sum, grad_sq_sum_split, scale_grads};
+use crate::optim::{TorchAdamW, clip_coefficient, grad_sq_sum, grad_sq_sum_split, scale_grads};
 use crate::param::ShardedParam;
 use crate::prefetch::{PrefetchStats, Prefetcher};
 use crate::runner::UnitRunner;
@@ -181,6 +181,24 @@ pub(crate) fn describe_float_tensors<B: Backend, M: Module<B>>(
     d.1
 }
 
+/// Refuses Burn optimizers whose update of a parameter depends on the whole parameter (or on
+/// all of them), which would be silently wrong on dim-0 shards.
+fn refuse_whole_parameter_optimizer<O>() -> Result<(), FsdpError> {
+    let name = std::any::type_name::<O>();
+    for (module, what) in [
+        ("::muon::", "Muon orthogonalises each whole weight matrix (Newton–Schulz)"),
+        ("::lbfgs::", "L-BFGS takes inner products over all parameters"),
+    ] {
+        if name.contains(module) {
+            return Err(FsdpError::Config(format!(
+                "{what}, which row shards cannot do: `Fsdp::step_with` takes optimizers whose \
+                 update is elementwise (Adam, AdamW, SGD, RmsProp, AdaGrad, Adan); got {name}"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// A module whose parameters are sharded across the ranks of a mesh (PyTorch FSDP2's
 /// `fully_shard`, applied per unit).
 ///
@@ -196,7 +214,7 @@ pub(crate) fn describe_float_tensors<B: Backend, M: Module<B>>(
 /// use burn::module::{Initializer, Module};
 /// use burn::nn::{Linear, LinearConfig};
 /// use burn::tensor::{Tensor, backend::Backend};
-/// use burn_fsdp::{AdamWConfig, DeviceMesh, Fsdp, FsdpConfig, UnitRunner, launch};
+/// use burn_fsdp::{TorchAdamWConfig, DeviceMesh, Fsdp, FsdpConfig, UnitRunner, launch};
 ///
 /// type B = Autodiff<NdArray, BalancedCheckpointing>;
 ///
@@ -224,7 +242,7 @@ pub(crate) fn describe_float_tensors<B: Backend, M: Module<B>>(
 ///     let model = build(&device);
 ///     let mesh = DeviceMesh::new_1d(group, device);
 ///     let mut fsdp = Fsdp::wrap(model, &mesh, FsdpConfig::default())?;
-///     let mut adam = AdamWConfig::default().init();
+///     let mut adam = TorchAdamWConfig::default().init();
 ///     let x = Tensor::<B, 2>::ones([4, 8], &device);
 ///     let loss = fsdp.forward(|m, r| m.forward_with(x, r)).powf_scalar(2.0).mean();
 ///     let grads = fsdp.gradients(loss.backward());
@@ -735,7 +753,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     }
 
     /// Steps `optim` on the local shards.
-    pub fn step(&mut self, optim: &mut AdamW<B::InnerBackend>, grads: GradientsParams)
+    pub fn step(&mut self, optim: &mut TorchAdamW<B::InnerBackend>, grads: GradientsParams)
     where
         M: AutodiffModule<B>,
     {
@@ -746,6 +764,58 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         }
         let module = self.module.clone();
         self.module = optim.step(module, grads);
+    }
+
+    /// Burn's [`Optimizer::step`] on the local shards: Adam, AdamW, SGD (with momentum,
+    /// Nesterov and weight decay), RmsProp, AdaGrad, Adan — every optimizer of `burn::optim`
+    /// whose update is elementwise, so that stepping each rank's rows gives the rows of the
+    /// full step. The state (moments, …) is kept per shard, by parameter id, in `optim`. Pass
+    /// the learning rate of a Burn [`LrScheduler`](burn::optim::lr_scheduler::LrScheduler)
+    /// as `lr` to schedule it.
+    ///
+    /// [`TorchAdamW`] through [`step`](Self::step) remains the PyTorch-exact AdamW (the one
+    /// the fixtures' trajectories are reproduced with, and the only one CPU offload steps).
+    ///
+    /// # Errors
+    /// - [`FsdpError::Config`] with CPU offload (the master shards live in host memory, which
+    ///   only [`step`](Self::step) updates), and for Burn's Muon and L-BFGS, whose updates
+    ///   depend on the whole parameter (Newton–Schulz orthogonalisation of a matrix, a line
+    ///   search over all parameters) and would be silently wrong on row shards.
+    ///
+    /// Burn's per-parameter gradient clipping (`with_grad_clipping(GradientClippingConfig::Norm)`)
+    /// would clip each *shard* by its own norm: clip with [`clip_grad_norm`](Self::clip_grad_norm)
+    /// (global norm, over all ranks) instead; clipping by value is elementwise and fine.
+    ///
+    /// # Example
+    /// ```ignore
+    /// let mut optim = burn::optim::AdamConfig::new().init();
+    /// let mut schedule = CosineAnnealingLrSchedulerConfig::new(1e-3, steps).init()?;
+    /// for batch in batches {
+    ///     let loss = fsdp.forward(|m, r| m.loss(batch, r));
+    ///     let grads = fsdp.gradients(loss.backward());
+    ///     fsdp.step_with(&mut optim, schedule.step(), grads)?;
+    /// }
+    /// ```
+    pub fn step_with<O: Optimizer<M, B>>(
+        &mut self,
+        optim: &mut O,
+        lr: LearningRate,
+        grads: GradientsParams,
+    ) -> Result<(), FsdpError>
+    where
+        M: AutodiffModule<B>,
+    {
+        if self.host.is_some() {
+            return Err(FsdpError::Config(
+                "CPU offload keeps the master shards in host memory, where only burn-fsdp's \
+                 TorchAdamW steps them: use `Fsdp::step` with `TorchAdamWConfig`, or turn offload off"
+                    .into(),
+            ));
+        }
+        refuse_whole_parameter_optimizer::<O>()?;
+        let module = self.module.clone();
+        self.module = optim.step(lr, module, grads);
+        Ok(())
     }
 
     /// [`full_parameters`](Self::full_parameters) of a tensor-parallel model: each parameter

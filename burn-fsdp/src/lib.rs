@@ -6,7 +6,7 @@
 //! - [`Fsdp::forward`] all-gathers each unit just before it runs (through the model's
 //!   [`UnitRunner`] hook); the gather is a differentiable op whose backward reduce-scatters
 //!   the gradient ([`op`]).
-//! - [`AdamW`] steps the shards with PyTorch semantics; [`Fsdp::clip_grad_norm`] clips by the
+//! - [`TorchAdamW`] steps the shards with PyTorch semantics; [`Fsdp::clip_grad_norm`] clips by the
 //!   global norm; [`Fsdp::set_requires_gradient_sync`] accumulates without communication.
 //! - Ranks talk through a [`ProcessGroup`]; [`LocalGroup`]/[`launch`] run ranks as threads.
 //!
@@ -41,5 +41,5 @@ pub use fsdp::{Fsdp, FsdpConfig, FsdpError, FsdpRunner, MixedPrecisionPolicy, Pa
 pub use local::{LocalGroup, launch};
 pub use mesh::DeviceMesh;
 pub use op::FsdpBackend;
-pub use optim::{AdamW, AdamWConfig, clip_grad_norm, grad_norm};
+pub use optim::{TorchAdamW, TorchAdamWConfig, clip_grad_norm, grad_norm};
 pub use runner::{Direct, ModuleHooks, NoHooks, UnitRunner};

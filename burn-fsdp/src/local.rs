@@ -79,8 +79,16 @@ impl Drop for Timed {
 /// What a rank contributes. All-gather, reduce-scatter and all-reduce share host copies of
 /// the rank's elements (`Vec<TensorData>`, one per destination chunk), which the receiving
 /// ranks combine with plain slice copies and loops into one pre-sized buffer per rank (each
-/// rank gets its own output, as on separate devices). Broadcast shares the tensor itself.
+/// rank gets its own output, as on separate devices). Broadcast shares the root's host copy
+/// ([`BroadcastPart`]).
 type Payload = Arc<dyn std::any::Any + Send + Sync>;
+
+/// A rank's part of a broadcast: the size and dtype it expects, and the data if it is the root.
+struct BroadcastPart {
+    n: usize,
+    dtype: DType,
+    data: Option<TensorData>,
+}
 
 struct Round {
     kind: CollectiveKind,
@@ -245,38 +253,6 @@ impl LocalGroup {
 
     fn bad(&self, kind: CollectiveKind, tag: &Tag, msg: String) -> CommError {
         CommError::BadInput { kind, tag: tag.clone(), rank: self.rank, msg }
-    }
-
-    /// The tensors of a round, on this rank's device, checked to have equal sizes and dtypes.
-    fn tensors<B: Backend>(
-        &self,
-        kind: CollectiveKind,
-        tag: &Tag,
-        inputs: Vec<Payload>,
-        device: &B::Device,
-    ) -> Result<Vec<Tensor<B, 1>>, CommError> {
-        let mut out = Vec::with_capacity(inputs.len());
-        for (r, p) in inputs.into_iter().enumerate() {
-            let Some(t) = p.downcast_ref::<Tensor<B, 1>>() else {
-                return Err(self.bad(kind, tag, format!("rank {r} contributed a tensor of another backend")));
-            };
-            out.push(t.clone().to_device(device));
-        }
-        let (n, dtype) = (out[0].shape().num_elements(), out[0].dtype());
-        for (r, t) in out.iter().enumerate() {
-            if t.shape().num_elements() != n || t.dtype() != dtype {
-                return Err(self.bad(
-                    kind,
-                    tag,
-                    format!(
-                        "rank {r} contributed {} elements of {:?}, rank 0 {n} of {dtype:?}",
-                        t.shape().num_elements(),
-                        t.dtype()
-                    ),
-                ));
-            }
-        }
-        Ok(out)
     }
 
     /// Chunk `pick` of every rank's host chunks, checked to have `n` elements of `dtype`.
@@ -503,11 +479,37 @@ impl<B: Backend> ProcessGroup<B> for LocalGroup {
                 format!("root {root} outside the group of {}", self.shared.size),
             ));
         }
+        // Through the host, as the other collectives: only the root copies its tensor out, and
+        // every rank uploads the root's bytes to its own device (no device-to-device transfer,
+        // which not every backend implements between its devices).
         let device = input.device();
+        let (n, dtype) = (input.shape().num_elements(), input.dtype());
         let bytes = payload_bytes(&input);
-        let inputs = self.exchange(kind, tag, Arc::new(input), bytes)?;
-        let mut tensors = self.tensors::<B>(kind, tag, inputs, &device)?;
-        Ok(tensors.swap_remove(root))
+        let data = (self.rank == root).then(|| host_range(&input, 0..n));
+        drop(input);
+        let mine = BroadcastPart { n, dtype, data };
+        let inputs = self.exchange(kind, tag, Arc::new(mine), bytes)?;
+        let mut root_data = None;
+        for (r, p) in inputs.iter().enumerate() {
+            let Some(part) = p.downcast_ref::<BroadcastPart>() else {
+                return Err(self.bad(kind, tag, format!("rank {r} contributed an input of another kind")));
+            };
+            if part.n != n || part.dtype != dtype {
+                return Err(self.bad(
+                    kind,
+                    tag,
+                    format!(
+                        "rank {r} contributed {} elements of {:?}, rank {} {n} of {dtype:?}",
+                        part.n, part.dtype, self.rank
+                    ),
+                ));
+            }
+            if r == root {
+                root_data = part.data.clone();
+            }
+        }
+        let data = root_data.ok_or_else(|| self.bad(kind, tag, format!("root {root} sent no data")))?;
+        Ok(Tensor::from_data(data, (&device, dtype)))
     }
 
     fn barrier(&self, tag: &Tag) -> Result<(), CommError> {

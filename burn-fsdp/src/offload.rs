@@ -4,7 +4,7 @@
 //! parameters are zero-row placeholders). A unit's shards are uploaded from the [`HostStore`]
 //! right before its all-gather (and again for a re-gather in backward), the reduce-scattered
 //! gradient is copied back into the store as soon as the unit's backward ends, and AdamW steps
-//! the host copies with exactly the arithmetic of [`AdamW`](crate::AdamW). So between steps
+//! the host copies with exactly the arithmetic of [`TorchAdamW`](crate::TorchAdamW). So between steps
 //! the device holds nothing of the model, and during a step about one unit.
 //!
 //! Ordering: every device → host copy here is `Tensor::into_data`, which on Burn's backends
@@ -19,7 +19,7 @@ use burn::module::ParamId;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData};
 
-use crate::optim::AdamWConfig;
+use crate::optim::TorchAdamWConfig;
 
 /// FSDP2's `CPUOffloadPolicy`: keep shards, gradients and optimizer state on the host.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -140,10 +140,10 @@ impl HostStore {
 
     /// One AdamW step on every parameter with a gradient, on the host, then drops the
     /// gradients. The arithmetic (f32, operation by operation) is that of
-    /// [`AdamW::update_tensor`](crate::AdamW::update_tensor), so offloaded and on-device
+    /// [`TorchAdamW::update_tensor`](crate::TorchAdamW::update_tensor), so offloaded and on-device
     /// training agree.
-    pub fn adam_step(&self, config: &AdamWConfig) {
-        let AdamWConfig { lr, betas: (b1, b2), eps, weight_decay } = *config;
+    pub fn adam_step(&self, config: &TorchAdamWConfig) {
+        let TorchAdamWConfig { lr, betas: (b1, b2), eps, weight_decay } = *config;
         for p in self.lock().values_mut() {
             let Some(g) = p.grad.take() else { continue };
             let n = g.len();

@@ -14,9 +14,9 @@ use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
-/// Hyper-parameters of [`AdamW`] (PyTorch names and defaults, except `weight_decay`).
+/// Hyper-parameters of [`TorchAdamW`] (PyTorch names and defaults, except `weight_decay`).
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AdamWConfig {
+pub struct TorchAdamWConfig {
     /// Learning rate.
     pub lr: f64,
     /// Coefficients of the running averages of the gradient and its square.
@@ -27,16 +27,16 @@ pub struct AdamWConfig {
     pub weight_decay: f64,
 }
 
-impl Default for AdamWConfig {
+impl Default for TorchAdamWConfig {
     fn default() -> Self {
         Self { lr: 1e-3, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 1e-2 }
     }
 }
 
-impl AdamWConfig {
+impl TorchAdamWConfig {
     /// Builds the optimizer with empty state.
-    pub fn init<B: Backend>(&self) -> AdamW<B> {
-        AdamW { config: *self, state: HashMap::new() }
+    pub fn init<B: Backend>(&self) -> TorchAdamW<B> {
+        TorchAdamW { config: *self, state: HashMap::new() }
     }
 }
 
@@ -68,27 +68,27 @@ pub struct AdamState<B: Backend> {
 /// use burn::module::Param;
 /// use burn::optim::GradientsParams;
 /// use burn::tensor::Tensor;
-/// use burn_fsdp::AdamWConfig;
+/// use burn_fsdp::TorchAdamWConfig;
 ///
 /// type B = Autodiff<NdArray>;
 /// let device = Default::default();
 /// let w = Param::from_tensor(Tensor::<B, 1>::from_floats([1.0, -2.0], &device));
 /// let loss = (w.val() * w.val()).sum();
 /// let grads = GradientsParams::from_grads(loss.backward(), &w);
-/// let mut adam = AdamWConfig { lr: 0.1, ..Default::default() }.init();
+/// let mut adam = TorchAdamWConfig { lr: 0.1, ..Default::default() }.init();
 /// let w = adam.step(w, grads);
 /// assert_eq!(adam.state_len(), 1);
 /// # let _ = w;
 /// ```
 #[derive(Debug, Clone)]
-pub struct AdamW<B: Backend> {
-    config: AdamWConfig,
+pub struct TorchAdamW<B: Backend> {
+    config: TorchAdamWConfig,
     state: HashMap<ParamId, AdamState<B>>,
 }
 
-impl<B: Backend> AdamW<B> {
+impl<B: Backend> TorchAdamW<B> {
     /// The hyper-parameters.
-    pub fn config(&self) -> &AdamWConfig {
+    pub fn config(&self) -> &TorchAdamWConfig {
         &self.config
     }
 
@@ -134,7 +134,7 @@ impl<B: Backend> AdamW<B> {
         let n = shape.num_elements();
         let g = grad.reshape([n]);
         let p = param.reshape([n]);
-        let AdamWConfig { lr, betas: (b1, b2), eps, weight_decay } = self.config;
+        let TorchAdamWConfig { lr, betas: (b1, b2), eps, weight_decay } = self.config;
         let state = self.state.remove(&id).unwrap_or_else(|| AdamState {
             step: 0,
             exp_avg: g.zeros_like(),
@@ -154,7 +154,7 @@ impl<B: Backend> AdamW<B> {
     }
 }
 
-impl<B: Backend> AdamW<B> {
+impl<B: Backend> TorchAdamW<B> {
     /// Steps every parameter of `module` that has a gradient in `grads`.
     pub fn step<AB, M>(&mut self, module: M, mut grads: GradientsParams) -> M
     where
@@ -167,7 +167,7 @@ impl<B: Backend> AdamW<B> {
 }
 
 struct StepMapper<'a, B: Backend> {
-    optim: &'a mut AdamW<B>,
+    optim: &'a mut TorchAdamW<B>,
     grads: &'a mut GradientsParams,
 }
 

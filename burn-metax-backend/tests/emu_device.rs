@@ -67,6 +67,13 @@ fn copies_round_trip_and_streams_are_ordered() {
     gpu_checks::copies_round_trip_and_streams_are_ordered::<MetaxEmuPlatform>(&WAVE64);
 }
 
+#[test]
+fn tensors_move_between_devices() {
+    setup();
+    // From the slow device, whose kernels start 150 ms late: the copy must wait for them.
+    gpu_checks::to_device_between_devices::<MetaxEmu>(&SLOW, &WAVE64);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Wave size
 

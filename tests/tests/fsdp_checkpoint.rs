@@ -95,7 +95,7 @@ fn consolidated_export_matches_the_live_fsdp_model() {
         let mesh = DeviceMesh::new_1d(group.clone(), device);
         let mut fsdp = Fsdp::wrap(replica, &mesh, FsdpConfig::default())?;
         // A few steps, so the export is not just the input checkpoint.
-        let mut adam = burn_fsdp::AdamWConfig { lr: 0.01, ..Default::default() }.init();
+        let mut adam = burn_fsdp::TorchAdamWConfig { lr: 0.01, ..Default::default() }.init();
         let x = Tensor::<FB, 2, Int>::from_data(TensorData::new(ids.clone(), [shape[0], shape[1]]), &device);
         for _ in 0..2 {
             let loss = fsdp.forward(|m, r| m.forward_with(x.clone(), r)).mean();
@@ -218,7 +218,7 @@ fn a_checkpoint_of_another_model_is_refused_and_nothing_is_half_loaded() {
         let replica = Qwen3::<FB>::from_weights(&config, weights.as_slice(), &device).unwrap();
         let mut fsdp = Fsdp::wrap(replica, &mesh, FsdpConfig::default())?;
         let before = fsdp.module().model.norm.weight.val().into_data();
-        let mut adam = burn_fsdp::AdamWConfig::default().init();
+        let mut adam = burn_fsdp::TorchAdamWConfig::default().init();
         let mut wrong = serde_json::to_value(&config).unwrap();
         wrong["rms_norm_eps"] = serde_json::json!(1e-5);
         assert!(fsdp.load_sharded(&ck, &mut adam, &wrong).is_err());

@@ -5,6 +5,8 @@
 /// this test binary rather than its own, to save a link of the test crate in CI.
 #[path = "fsdp_core/any_model.rs"]
 mod any_model;
+#[path = "fsdp_core/optimizers.rs"]
+mod optimizers;
 
 use std::time::{Duration, Instant};
 
@@ -14,7 +16,8 @@ use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::Tensor;
 use burn_fsdp::{
-    AdamWConfig, CollectiveKind, CommStats, DeviceMesh, Direct, Fsdp, FsdpConfig, ProcessGroup, Tag, launch,
+    CollectiveKind, CommStats, DeviceMesh, Direct, Fsdp, FsdpConfig, ProcessGroup, Tag, TorchAdamWConfig,
+    launch,
 };
 use tests::toy::{Toy, toy_batch};
 use tests::{max_rel_diff, reference, train_args};
@@ -25,7 +28,8 @@ type FB = Autodiff<B, BalancedCheckpointing>;
 
 const ROWS: usize = 24; // divisible by 1, 2, 3, 4, 8
 const STEPS: usize = 10;
-const ADAM: AdamWConfig = AdamWConfig { lr: 0.01, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1 };
+const ADAM: TorchAdamWConfig =
+    TorchAdamWConfig { lr: 0.01, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1 };
 
 struct Run {
     losses: Vec<f64>,

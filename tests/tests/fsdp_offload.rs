@@ -85,7 +85,7 @@ fn memory_per_rank_against_16_psi_over_w() {
                 ),
                 &device,
             );
-            let mut adam = burn_fsdp::AdamWConfig::default().init();
+            let mut adam = burn_fsdp::TorchAdamWConfig::default().init();
             // Two steps: the second measures steady state (AdamW state exists).
             let mut with_grads = Default::default();
             for _ in 0..2 {

@@ -60,7 +60,7 @@ fn bf16_halves_all_gather_bytes_and_keeps_fp32_master_shards() {
             let fwd = fsdp.comm_stats().since(&before);
             let grads = fsdp.gradients(loss.backward());
             let all = fsdp.comm_stats().since(&before);
-            let mut adam = burn_fsdp::AdamWConfig::default().init();
+            let mut adam = burn_fsdp::TorchAdamWConfig::default().init();
             fsdp.step(&mut adam, grads);
             assert_eq!(fsdp.module().head.val().dtype(), DType::F32, "master shards stay fp32");
             assert_eq!(fsdp.module().blocks[1].b.val().dtype(), DType::F32);

@@ -88,7 +88,7 @@ fn metrics_file_has_one_json_object_per_step() {
     assert!((lines[0]["loss"].as_f64().unwrap() - r.losses[0]).abs() / r.losses[0] < 1e-5);
 }
 
-/// `burn_fsdp::AdamW` and `clip_grad_norm` against `torch.optim.AdamW` / `clip_grad_norm_`
+/// `burn_fsdp::TorchAdamW` and `clip_grad_norm` against `torch.optim.AdamW` / `clip_grad_norm_`
 /// (tests/fixtures/optim/make_adamw.py).
 #[test]
 fn adamw_and_clipping_match_pytorch_on_raw_tensors() {
@@ -105,7 +105,7 @@ fn adamw_and_clipping_match_pytorch_on_raw_tensors() {
         .map(|k| Param::initialized(ParamId::new(), t(&format!("init.{k}")).require_grad()))
         .collect();
     let mut adam =
-        burn_fsdp::AdamWConfig { lr: 0.01, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1 }.init();
+        burn_fsdp::TorchAdamWConfig { lr: 0.01, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1 }.init();
     for step in 0..3 {
         let mut grads = GradientsParams::new();
         for (p, k) in params.iter().zip(keys) {

@@ -279,3 +279,34 @@ fn explicit_tokenizer_flag_is_used_and_checked() {
     let e = xtask::train::run(&parse_train(&argv).unwrap()).unwrap_err();
     assert!(format!("{e:#}").contains("/nonexistent/tok.json"), "{e:#}");
 }
+
+#[test]
+fn lr_schedule_and_warmup_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = dir.path().display().to_string();
+    let flags = ["--world-size", "2", "--steps", "5", "--lr-schedule", "cosine", "--warmup", "2"];
+    let mut argv = flags.to_vec();
+    argv.extend(["--compare-to", "single", "--out-dir", &o]);
+    let args = train_args("qwen3-tiny-a", &argv);
+    let m = xtask::train::run(&args).unwrap();
+    // Warmup lr·1/3, lr·2/3, then half a cosine over the last three steps.
+    let base = args.lr;
+    let pi = std::f64::consts::PI;
+    let want = [base / 3.0, base * 2.0 / 3.0, base, base * 0.5 * (1.0 + (pi / 3.0).cos()), base * 0.25];
+    for (s, w) in m.iter().zip(want) {
+        assert!((s.lr - w).abs() <= 1e-12 * base, "step {}: lr {} vs {w}", s.step, s.lr);
+    }
+    let lines = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
+    let first: serde_json::Value = serde_json::from_str(lines.lines().next().unwrap()).unwrap();
+    assert!((first["lr"].as_f64().unwrap() - base / 3.0).abs() < 1e-12, "{first}");
+    // The single-device rerun follows the same schedule.
+    let c = &summary(dir.path())["comparison"];
+    assert!(c["worst_loss_rel_diff"].as_f64().unwrap() < 1e-4, "{c}");
+    // And the schedule changes training: the constant run's second loss differs.
+    let constant =
+        xtask::train::run(&train_args("qwen3-tiny-a", &["--world-size", "2", "--steps", "2"])).unwrap();
+    assert_eq!(constant[0].lr, base);
+    assert!((constant[1].loss - m[1].loss).abs() > 1e-6, "{} vs {}", constant[1].loss, m[1].loss);
+    let e = parse_train(&["train-qwen3", "--lr-schedule", "exp"]).unwrap_err();
+    assert!(e.contains("--lr-schedule"), "{e}");
+}

@@ -65,7 +65,7 @@ fn time_steps(config: &Qwen3Config, args: &GpuBenchArgs, fsdp: Option<MixedPreci
     let device = CudaProxyRuntime::first_device().map_err(|e| anyhow::anyhow!("{e}"))?;
     let model = config.init::<Train>(&device);
     let mut optim =
-        burn_fsdp::AdamWConfig { lr: 1e-4, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1 }.init();
+        burn_fsdp::TorchAdamWConfig { lr: 1e-4, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1 }.init();
     let group: Arc<dyn ProcessGroup<Gpu>> =
         LocalGroup::new_group(1, std::time::Duration::from_secs(600)).pop().context("no rank")?;
     let mesh = DeviceMesh::new_1d(group, device);

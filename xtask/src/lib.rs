@@ -14,6 +14,7 @@ pub mod logits;
 #[cfg(feature = "mpi")]
 pub mod mpi_tools;
 pub mod plot;
+pub mod schedule;
 pub mod train;
 
 /// The CPU backend every command runs on.

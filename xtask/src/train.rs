@@ -1,5 +1,6 @@
 //! `cargo xtask train-qwen3`: single-device (`--no-fsdp`) or FSDP training of Qwen3.
 
+use crate::schedule::{LrSchedule, WarmupDecay};
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Mutex;
@@ -14,8 +15,8 @@ use burn_fsdp::checkpoint::{CheckpointIndex, INDEX_FILE, read_index};
 use burn_fsdp::offload::OffloadPolicy;
 use burn_fsdp::tp::TensorParallel;
 use burn_fsdp::{
-    AdamWConfig, DeviceMesh, Fsdp, FsdpConfig, LocalGroup, MixedPrecisionPolicy, ReduceOp, clip_grad_norm,
-    launch,
+    DeviceMesh, Fsdp, FsdpConfig, LocalGroup, MixedPrecisionPolicy, ReduceOp, TorchAdamWConfig,
+    clip_grad_norm, launch,
 };
 use qwen3_burn::checkpoint::{TensorOut, write_safetensors};
 use qwen3_burn::train::{Batches, cross_entropy, inputs_and_labels};
@@ -86,6 +87,13 @@ pub struct TrainArgs {
     /// AdamW learning rate.
     #[arg(long, default_value_t = 3e-3)]
     pub lr: f64,
+    /// Learning-rate schedule after the warmup: `constant`, `cosine` (to 0 at the last
+    /// step) or `linear` (to 0 at the last step).
+    #[arg(long, value_enum, default_value_t = LrSchedule::Constant)]
+    pub lr_schedule: LrSchedule,
+    /// Steps of linear warmup from `lr/(N+1)` up to --lr before the schedule.
+    #[arg(long, default_value_t = 0)]
+    pub warmup: usize,
     /// AdamW betas, as `B1,B2`.
     #[arg(long, default_value = "0.9,0.95", value_parser = parse_betas)]
     pub betas: (f64, f64),
@@ -356,9 +364,14 @@ fn parse_betas(s: &str) -> std::result::Result<(f64, f64), String> {
 }
 
 impl TrainArgs {
+    /// The learning-rate schedule of a run of `steps` steps (--lr, --lr-schedule, --warmup).
+    pub fn lr_schedule(&self, steps: usize) -> WarmupDecay {
+        WarmupDecay::new(self.lr_schedule, self.lr, self.warmup, steps)
+    }
+
     /// The AdamW hyper-parameters.
-    pub fn adamw(&self) -> AdamWConfig {
-        AdamWConfig { lr: self.lr, betas: self.betas, eps: self.eps, weight_decay: self.weight_decay }
+    pub fn adamw(&self) -> TorchAdamWConfig {
+        TorchAdamWConfig { lr: self.lr, betas: self.betas, eps: self.eps, weight_decay: self.weight_decay }
     }
 
     /// The rank layout: `--mesh`, `--hsdp`, else FSDP over `--world-size` (default 4; 1 for
@@ -394,6 +407,8 @@ pub struct StepMetrics {
     pub loss: f64,
     /// Global gradient L2 norm before clipping.
     pub grad_norm: f64,
+    /// Learning rate of this step's update.
+    pub lr: f64,
     /// Tokens of the global batch divided by the step's wall time.
     pub tokens_per_sec: f64,
 }
@@ -700,8 +715,8 @@ impl MetricsSink {
                 bar.inc(1);
             }
             (None, false) => println!(
-                "step {:>4}  loss {:.6}  grad_norm {:.6}  {:.0} tok/s",
-                m.step, m.loss, m.grad_norm, m.tokens_per_sec
+                "step {:>4}  loss {:.6}  grad_norm {:.6}  lr {:.3e}  {:.0} tok/s",
+                m.step, m.loss, m.grad_norm, m.lr, m.tokens_per_sec
             ),
             (None, true) => {}
         }
@@ -1070,11 +1085,14 @@ pub fn train_single_on<AB: burn::tensor::backend::AutodiffBackend>(
     let Setup { config, model, batches, steps, .. } = setup;
     let mut model = Qwen3::<AB>::from_weights(&config, model.as_slice(), &device)?;
     let mut optim = args.adamw().init();
+    let schedule = args.lr_schedule(steps);
     let micro = args.grad_accum;
     let rows_per_micro = batches.rows / micro;
     let mut out = Vec::with_capacity(steps);
     for step in 0..steps {
         let start = Instant::now();
+        let lr = schedule.lr_at(step);
+        optim.set_lr(lr);
         let mut accum = GradientsAccumulator::<Qwen3<AB>>::new();
         let mut loss_sum = 0.0;
         for m in 0..micro {
@@ -1092,6 +1110,7 @@ pub fn train_single_on<AB: burn::tensor::backend::AutodiffBackend>(
             step,
             loss: loss_sum,
             grad_norm,
+            lr,
             tokens_per_sec: (batches.rows * (batches.width - 1)) as f64
                 / start.elapsed().as_secs_f64().max(1e-9),
         };
@@ -1305,9 +1324,12 @@ pub fn fsdp_rank<B: burn::tensor::backend::Backend>(
         Some(dir) => fsdp.load_sharded_with(dir, &mut optim, &model_config, tp.as_ref())?.step as usize,
         None => 0,
     };
+    let schedule = args.lr_schedule(steps);
     let mut out = Vec::with_capacity(steps);
     for step in first_step..steps {
         let start = Instant::now();
+        let lr = schedule.lr_at(step);
+        optim.set_lr(lr);
         let before = (outer.stats(), inner.as_ref().map(|g| g.stats()));
         let prefetch_before = fsdp.prefetch_stats().unwrap_or_default();
         let mut loss_sum = 0.0;
@@ -1342,6 +1364,7 @@ pub fn fsdp_rank<B: burn::tensor::backend::Backend>(
             step,
             loss,
             grad_norm,
+            lr,
             tokens_per_sec: (batches.rows * (batches.width - 1)) as f64
                 / start.elapsed().as_secs_f64().max(1e-9),
         };

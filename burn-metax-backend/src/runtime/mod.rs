@@ -21,6 +21,7 @@ pub mod registry;
 pub mod server;
 mod storage;
 mod stream;
+mod transfer;
 
 #[cfg(feature = "cuda-proxy")]
 pub use cuda_platform::{CUDA_PROXY_DEVICE_TYPE_ID, CudaProxyDevice, CudaProxyPlatform, cuda_driver};

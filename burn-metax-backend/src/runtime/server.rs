@@ -514,8 +514,75 @@ impl<P: Platform> DeviceService for GpuServer<P> {
     }
 }
 
+/// Collectives between servers (`all_reduce`) are not offered (`SERVER_COMM_ENABLED` is false:
+/// FSDP brings its own process groups); device-to-device copies (`send`/`recv`, which
+/// burn-cubecl's `to_device` uses whatever that flag says) go through the host, see
+/// [`super::transfer`].
 impl<P: Platform> ServerCommunication for GpuServer<P> {
     const SERVER_COMM_ENABLED: bool = false;
+
+    fn comm_init(&mut self, _device_ids: Vec<DeviceId>) -> Result<(), ServerError> {
+        Ok(())
+    }
+
+    /// `recv` finishes its write before returning (on the stream's queue), so nothing is left
+    /// to wait for.
+    fn sync_collective(&mut self, _stream_id: StreamId) -> Result<(), ServerError> {
+        Ok(())
+    }
+
+    fn send(
+        &mut self,
+        desc: CopyDescriptor,
+        _dtype: ElemType,
+        stream_id: StreamId,
+        device_id_dst: DeviceId,
+    ) -> Result<(), ServerError> {
+        // The whole buffer, byte for byte, so that the destination keeps the source's strides.
+        let len = desc.handle.size_in_used() as usize;
+        let raw = CopyDescriptor::new(desc.handle, [len].into(), [1].into(), 1);
+        let bytes = self.read_inner(vec![raw], stream_id)?.finish()?;
+        let bytes = bytes.into_iter().next().map(|b| b.to_vec()).unwrap_or_default();
+        super::transfer::post(P::NAME, self.device, device_id_dst.index_id as usize, bytes);
+        Ok(())
+    }
+
+    fn recv(
+        &mut self,
+        handle: Handle,
+        _dtype: ElemType,
+        stream_id: StreamId,
+        device_id_src: DeviceId,
+    ) -> Result<(), ServerError> {
+        let src = device_id_src.index_id as usize;
+        let timeout = super::transfer::RECV_TIMEOUT;
+        let Some(bytes) = super::transfer::take(P::NAME, src, self.device, timeout) else {
+            return Err(ServerError::Generic {
+                reason: format!(
+                    "{} device {}: no data from device {src} within {timeout:?} for a device-to-device copy",
+                    P::NAME,
+                    self.device
+                ),
+                backtrace: BackTrace::capture(),
+            });
+        };
+        let len = bytes.len();
+        if len as u64 != handle.size_in_used() {
+            return Err(ServerError::Generic {
+                reason: format!(
+                    "{} device {}: device {src} sent {len} bytes for a {}-byte buffer",
+                    P::NAME,
+                    self.device,
+                    handle.size_in_used()
+                ),
+                backtrace: BackTrace::capture(),
+            });
+        }
+        self.initialize_memory(handle.memory.clone(), handle.size(), stream_id);
+        let desc = handle.copy_descriptor([len].into(), [1].into(), 1);
+        self.write(vec![(desc, Bytes::from_bytes_vec(bytes))], stream_id);
+        self.check_errors(stream_id)
+    }
 }
 
 impl<P: Platform> ComputeServer for GpuServer<P> {

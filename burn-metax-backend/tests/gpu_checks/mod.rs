@@ -105,3 +105,40 @@ pub fn copies_round_trip_and_streams_are_ordered<P: Platform>(device: &P::Device
     }
     let _ = DriverRuntime::<P>::name(&client);
 }
+
+/// `Tensor::to_device` from `src` to `dst` (two devices of one backend) carries the values of
+/// work still queued on `src`, keeps a transposed (strided) tensor's layout right, carries bf16
+/// bytes exactly, and the moved tensor computes on `dst`.
+pub fn to_device_between_devices<G: Backend>(src: &G::Device, dst: &G::Device) {
+    let a = tensor::<G, 2>([37, 70], 11, src);
+    let b = tensor::<G, 2>([70, 45], 12, src);
+    // Queued on `src` just before the move: the copy must wait for it.
+    let product = a.clone().matmul(b.clone());
+    let want = tensor::<NdArray, 2>([37, 70], 11, &Default::default()).matmul(tensor::<NdArray, 2>(
+        [70, 45],
+        12,
+        &Default::default(),
+    ));
+    assert_close(
+        "to_device(matmul)",
+        product.clone().to_device(dst).into_data(),
+        want.clone().into_data(),
+        1e-5,
+    );
+
+    let moved_t = a.clone().transpose().to_device(dst);
+    assert_eq!(moved_t.device(), *dst);
+    let want_t = tensor::<NdArray, 2>([37, 70], 11, &Default::default()).transpose();
+    assert_close("to_device(transpose)", moved_t.clone().into_data(), want_t.clone().into_data(), 0.0);
+    // Computes on the destination with the moved layout.
+    let sums = moved_t.sum_dim(1);
+    assert_close("sum_dim after to_device", sums.into_data(), want_t.sum_dim(1).into_data(), 1e-5);
+
+    let bf = a.clone().cast(burn::tensor::DType::BF16);
+    let back = bf.clone().to_device(dst).into_data();
+    assert_eq!(back.as_bytes(), bf.into_data().as_bytes(), "to_device(bf16) changed bytes");
+
+    // And back again.
+    let round = product.to_device(dst).to_device(src);
+    assert_close("to_device and back", round.into_data(), want.into_data(), 1e-5);
+}

@@ -13,7 +13,7 @@ use burn::nn::{BatchNorm, BatchNormConfig, Linear};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
-use burn_fsdp::{AdamWConfig, DeviceMesh, Direct, Fsdp, FsdpConfig, UnitRunner, launch};
+use burn_fsdp::{DeviceMesh, Direct, Fsdp, FsdpConfig, TorchAdamWConfig, UnitRunner, launch};
 use tests::max_rel_diff;
 
 type AB = Autodiff<NdArray<f32>>;
@@ -22,7 +22,8 @@ type FB = Autodiff<NdArray<f32>, BalancedCheckpointing>;
 const ROWS: usize = 12; // divisible by 1, 2, 3
 const WIDTH: usize = 6;
 const STEPS: usize = 6;
-const ADAM: AdamWConfig = AdamWConfig { lr: 0.02, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.0 };
+const ADAM: TorchAdamWConfig =
+    TorchAdamWConfig { lr: 0.02, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.0 };
 
 #[derive(Module, Debug)]
 struct Block<B: Backend> {
