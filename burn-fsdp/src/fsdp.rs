@@ -181,6 +181,28 @@ pub(crate) fn describe_float_tensors<B: Backend, M: Module<B>>(
     d.1
 }
 
+/// Makes every occurrence of a parameter id hold the tensor of its first occurrence.
+///
+/// A module cloned into several places of a model (weights tied across layers or units)
+/// keeps one `ParamId`, but mappers — sharding, optimizer steps, checkpoint loading — visit
+/// each occurrence separately and return separate tensors: separate autodiff leaves, of which
+/// only one would receive the summed gradient and be updated. Re-tying after each of them
+/// keeps one leaf per id, as one device keeps one tensor.
+pub(crate) fn retie<B: Backend, M: Module<B>>(module: M) -> M {
+    struct Retie(HashMap<ParamId, Box<dyn std::any::Any>>);
+    impl<B: Backend> ModuleMapper<B> for Retie {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let (id, tensor, mapper) = param.consume();
+            if let Some(first) = self.0.get(&id).and_then(|t| t.downcast_ref::<Tensor<B, D>>()) {
+                return Param::from_mapped_value(id, first.clone(), mapper);
+            }
+            self.0.insert(id, Box::new(tensor.clone()));
+            Param::from_mapped_value(id, tensor, mapper)
+        }
+    }
+    module.map(&mut Retie(HashMap::new()))
+}
+
 /// Refuses Burn optimizers whose update of a parameter depends on the whole parameter (or on
 /// all of them), which would be silently wrong on dim-0 shards.
 fn refuse_whole_parameter_optimizer<O>() -> Result<(), FsdpError> {
@@ -412,7 +434,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
             host: host.as_deref(),
             _b: Default::default(),
         };
-        let module = model.map(&mut sharder);
+        let module = retie::<B, M>(model.map(&mut sharder));
         Ok(Self {
             module,
             units,
@@ -582,11 +604,18 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         if reduced.is_empty() {
             return;
         }
+        // A unit run several times in one forward (a shared block, weights tied across
+        // units) is reduced once per use: the uses' gradients add up.
         let mut pieces: HashMap<ParamId, Tensor<B::InnerBackend, 1>> = HashMap::new();
         for (u, g) in reduced {
             let unit = &self.units[u];
             for (p, offset) in unit.params.iter().zip(&unit.offsets) {
-                pieces.insert(p.id, g.clone().narrow(0, *offset, p.shard_numel()));
+                let piece = g.clone().narrow(0, *offset, p.shard_numel());
+                let sum = match pieces.remove(&p.id) {
+                    Some(earlier) => earlier + piece,
+                    None => piece,
+                };
+                pieces.insert(p.id, sum);
             }
         }
         struct Register<'a, I: Backend> {
@@ -598,7 +627,10 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
                 let Some(piece) = self.pieces.remove(&param.id) else { return };
                 let shard = param.val();
                 let piece = if piece.dtype() == shard.dtype() { piece } else { piece.cast(shard.dtype()) };
-                let g: Tensor<B::InnerBackend, D> = piece.reshape(shard.shape());
+                let mut g: Tensor<B::InnerBackend, D> = piece.reshape(shard.shape());
+                if let Some(earlier) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+                    g = g + earlier;
+                }
                 self.grads.register(param.id, g);
             }
         }
@@ -763,7 +795,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
             return;
         }
         let module = self.module.clone();
-        self.module = optim.step(module, grads);
+        self.module = retie::<B, M>(optim.step(module, grads));
     }
 
     /// Burn's [`Optimizer::step`] on the local shards: Adam, AdamW, SGD (with momentum,
@@ -814,7 +846,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         }
         refuse_whole_parameter_optimizer::<O>()?;
         let module = self.module.clone();
-        self.module = optim.step(lr, module, grads);
+        self.module = retie::<B, M>(optim.step(lr, module, grads));
         Ok(())
     }
 
@@ -902,7 +934,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     /// Replaces the sharded module (checkpoint loading).
     pub(crate) fn replace_module(&mut self, f: impl FnOnce(M) -> M) {
         let module = self.module.clone();
-        self.module = f(module);
+        self.module = retie::<B, M>(f(module));
     }
 
     /// The unit of a module run through the runner; `None` for a module without sharded

@@ -161,7 +161,7 @@ impl<B: Backend> TorchAdamW<B> {
         AB: AutodiffBackend<InnerBackend = B>,
         M: AutodiffModule<AB>,
     {
-        let mut mapper = StepMapper { optim: self, grads: &mut grads };
+        let mut mapper = StepMapper { optim: self, grads: &mut grads, updated: HashMap::new() };
         module.map(&mut mapper)
     }
 }
@@ -169,11 +169,17 @@ impl<B: Backend> TorchAdamW<B> {
 struct StepMapper<'a, B: Backend> {
     optim: &'a mut TorchAdamW<B>,
     grads: &'a mut GradientsParams,
+    /// Parameters updated so far: a parameter met again (a module cloned into several places:
+    /// tied weights) gets the same updated tensor, so the tie holds.
+    updated: HashMap<ParamId, Box<dyn std::any::Any>>,
 }
 
 impl<AB: AutodiffBackend> ModuleMapper<AB> for StepMapper<'_, AB::InnerBackend> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<AB, D>>) -> Param<Tensor<AB, D>> {
         let (id, tensor, mapper) = param.consume();
+        if let Some(t) = self.updated.get(&id).and_then(|t| t.downcast_ref::<Tensor<AB, D>>()) {
+            return Param::from_mapped_value(id, t.clone(), mapper);
+        }
         let Some(grad) = self.grads.remove::<AB::InnerBackend, D>(id) else {
             return Param::from_mapped_value(id, tensor, mapper);
         };
@@ -183,6 +189,7 @@ impl<AB: AutodiffBackend> ModuleMapper<AB> for StepMapper<'_, AB::InnerBackend> 
         if require_grad {
             updated = updated.require_grad();
         }
+        self.updated.insert(id, Box::new(updated.clone()));
         Param::from_mapped_value(id, updated, mapper)
     }
 }

@@ -7,6 +7,8 @@
 mod any_model;
 #[path = "fsdp_core/optimizers.rs"]
 mod optimizers;
+#[path = "fsdp_core/shared_units.rs"]
+mod shared_units;
 
 use std::time::{Duration, Instant};
 

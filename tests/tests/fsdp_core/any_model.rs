@@ -17,7 +17,7 @@ use burn_fsdp::{DeviceMesh, Direct, Fsdp, FsdpConfig, TorchAdamWConfig, UnitRunn
 use tests::max_rel_diff;
 
 type AB = Autodiff<NdArray<f32>>;
-type FB = Autodiff<NdArray<f32>, BalancedCheckpointing>;
+pub(crate) type FB = Autodiff<NdArray<f32>, BalancedCheckpointing>;
 
 const ROWS: usize = 12; // divisible by 1, 2, 3
 const WIDTH: usize = 6;
