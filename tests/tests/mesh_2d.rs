@@ -185,5 +185,14 @@ fn bf16_mixed_precision_on_2d_meshes_tracks_pytorch_bf16() {
         let (dl, dn) = (max_rel_diff(&losses, &r.losses), max_rel_diff(&norms, &r.grad_norms));
         println!("{mesh:?} bf16 vs fsdp4_bf16.json: loss {dl:.2e}, grad norm {dn:.2e}");
         assert!(dl < 1e-3 && dn < 1e-2, "{mesh:?}: loss {dl:e}, grad norm {dn:e}");
+        // A run that ignored bf16 would follow PyTorch's fp32 trajectory (fp32 runs stay within
+        // 1e-5 of fsdp4.json, see fsdp_core): this run must be closer to the bf16 reference than
+        // that trajectory is, and far from the fp32 one.
+        let fp32 = reference("qwen3-tiny-a", "fsdp4");
+        let fl = max_rel_diff(&fp32.losses, &r.losses);
+        let ml = max_rel_diff(&losses, &fp32.losses);
+        println!("vs fsdp4.json (fp32): this run {ml:.2e}; fsdp4.json vs fsdp4_bf16.json {fl:.2e}");
+        assert!(dl < fl, "{mesh:?}: not closer to the bf16 reference ({dl:e}) than fp32 is ({fl:e})");
+        assert!(ml > 1e-4, "{mesh:?}: follows the fp32 trajectory ({ml:e}): bf16 was not applied");
     }
 }
