@@ -23,6 +23,9 @@ use crate::prefetch::{PrefetchStats, Prefetcher};
 use crate::runner::UnitRunner;
 use crate::unit::FsdpUnit;
 
+mod eval;
+pub use eval::FsdpEvalRunner;
+
 /// Which parameters form a unit (one all-gather, one reduce-scatter).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum UnitPolicy {

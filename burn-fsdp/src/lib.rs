@@ -37,7 +37,9 @@ pub mod tp;
 pub mod unit;
 
 pub use comm::{CollectiveKind, CommError, CommStats, ProcessGroup, ReduceOp, Tag};
-pub use fsdp::{Fsdp, FsdpConfig, FsdpError, FsdpRunner, MixedPrecisionPolicy, PathStack, UnitPolicy};
+pub use fsdp::{
+    Fsdp, FsdpConfig, FsdpError, FsdpEvalRunner, FsdpRunner, MixedPrecisionPolicy, PathStack, UnitPolicy,
+};
 pub use local::{LocalGroup, launch};
 pub use mesh::DeviceMesh;
 pub use op::FsdpBackend;

@@ -165,7 +165,7 @@ impl<B: Backend> std::fmt::Debug for Prefetcher<B> {
     }
 }
 
-fn flat<B: Backend>(pieces: Vec<B::FloatTensorPrimitive>) -> Tensor<B, 1> {
+pub(crate) fn flat<B: Backend>(pieces: Vec<B::FloatTensorPrimitive>) -> Tensor<B, 1> {
     let mut pieces: Vec<Tensor<B, 1>> = pieces
         .into_iter()
         .map(|t| {

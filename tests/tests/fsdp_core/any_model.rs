@@ -241,3 +241,100 @@ fn a_unit_called_without_the_runner_gives_an_error_naming_it() {
         assert!(msg.contains("`blocks.0`") && msg.contains("runner.run"), "{msg}");
     }
 }
+
+/// Evaluation (Burn's `valid()`: BatchNorm on its running statistics) of the sharded model
+/// equals the whole model's: at wrap against one device, and after training against the
+/// gathered parameters with the rank's own running statistics.
+#[test]
+fn evaluation_mode_gathers_units_and_uses_running_statistics() {
+    use burn::module::{AutodiffModule, ModuleMapper};
+    type I = NdArray<f32>;
+    /// Replaces parameters by path.
+    struct Load(burn_fsdp::PathStack, std::collections::HashMap<String, (Vec<usize>, TensorData)>);
+    impl ModuleMapper<I> for Load {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.0.push(name);
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.0.pop();
+        }
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<I, D>>) -> Param<Tensor<I, D>> {
+            let (id, tensor, mapper) = param.consume();
+            let t = match self.1.get(&self.0.current()) {
+                Some((shape, data)) => Tensor::<I, 1>::from_data(data.clone(), &tensor.device())
+                    .reshape(burn::tensor::Shape::from(shape.clone())),
+                None => tensor,
+            };
+            Param::from_mapped_value(id, t, mapper)
+        }
+    }
+    for world in [2, 3] {
+        let diffs = launch(world, Duration::from_secs(60), move |group| {
+            let device = Default::default();
+            let rank = group.rank();
+            let mesh = DeviceMesh::new_1d(group, device);
+            let mut fsdp = Fsdp::wrap(BnNet::<FB>::new(&device), &mesh, FsdpConfig::default())?;
+            let (x, _) = batch::<I>(7, &device);
+            let forward = |m: &BnNet<I>, x: Tensor<I, 2>, r: &mut RunBlock<'_>| {
+                let mut h = x;
+                for block in &m.blocks {
+                    h = r(block, h);
+                }
+                m.head.forward(h)
+            };
+            let block_fn = |b: &Block<I>, h: Tensor<I, 2>| {
+                b.norm.forward(b.linear.forward(h).unsqueeze_dim::<3>(2)).squeeze_dim::<2>(2).tanh()
+            };
+            let run_valid = |fsdp: &Fsdp<FB, BnNet<FB>>, x: Tensor<I, 2>| {
+                fsdp.forward_valid(|m, r| forward(m, x, &mut |b, h| r.run(b, h, block_fn)))
+            };
+            // At wrap: the one-device model in evaluation mode.
+            let single = BnNet::<I>::new(&device);
+            let want = forward(&single, x.clone(), &mut |b, h| block_fn(b, h));
+            let at_wrap = max_rel_diff(&f64s(run_valid(&fsdp, x.clone())?), &f64s(want));
+            // After training: the gathered parameters with this rank's running statistics.
+            let mut adam = ADAM.init();
+            let per = ROWS / world;
+            for step in 0..3 {
+                let (bx, by) = batch::<FB>(step, &device);
+                let (bx, by) = (bx.narrow(0, rank * per, per), by.narrow(0, rank * per, per));
+                let loss = fsdp.forward(|m, r| m.loss(bx, by, r));
+                let grads = fsdp.gradients(loss.backward());
+                fsdp.step(&mut adam, grads);
+            }
+            let full: std::collections::HashMap<_, _> = fsdp
+                .full_parameters()?
+                .into_iter()
+                .map(|(path, shape, data)| (path, (shape, data)))
+                .collect();
+            let whole = fsdp.module().clone().valid().map(&mut Load(Default::default(), full));
+            let want = forward(&whole, x.clone(), &mut |b, h| block_fn(b, h));
+            let trained = max_rel_diff(&f64s(run_valid(&fsdp, x.clone())?), &f64s(want.clone()));
+            // Training mode (batch statistics) would give other numbers.
+            let train_mode = fsdp.forward(|m, r| {
+                let mut h = Tensor::<FB, 2>::from_inner(x.clone());
+                for block in &m.blocks {
+                    h = r.run(block, h, |b, h| {
+                        b.norm.forward(b.linear.forward(h).unsqueeze_dim::<3>(2)).squeeze_dim::<2>(2).tanh()
+                    });
+                }
+                m.head.forward(h)
+            });
+            let other = max_rel_diff(&f64s(train_mode.inner()), &f64s(want));
+            Ok::<_, burn_fsdp::FsdpError>((at_wrap, trained, other))
+        })
+        .unwrap();
+        for (rank, (at_wrap, trained, other)) in diffs.into_iter().enumerate() {
+            assert!(at_wrap < 1e-6, "W = {world} rank {rank}: at wrap {at_wrap:e}");
+            assert!(trained < 1e-6, "W = {world} rank {rank}: after training {trained:e}");
+            assert!(other > 1e-3, "W = {world} rank {rank}: training mode is not different ({other:e})");
+        }
+    }
+}
+
+/// How evaluation runs a block (directly, or through a runner).
+type RunBlock<'a> = dyn FnMut(&Block<NdArray<f32>>, Tensor<NdArray<f32>, 2>) -> Tensor<NdArray<f32>, 2> + 'a;
+
+fn f64s<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f64> {
+    t.into_data().convert::<f64>().to_vec::<f64>().unwrap()
+}

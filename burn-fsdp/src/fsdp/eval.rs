@@ -1,0 +1,128 @@
+//! Evaluation: Burn's `valid()` mode on the sharded model.
+//!
+//! In Burn a model evaluates on the inner (non-autodiff) backend: `model.valid()`, where
+//! BatchNorm normalises with its running statistics and dropout is off. [`Fsdp::forward_valid`]
+//! does the same with the shards: it runs the model's `InnerModule`, all-gathering the root unit
+//! first and each further unit when the model runs it (no autodiff graph, no resharding state to
+//! keep: each gathered unit is dropped when its block returns).
+
+use burn::module::{AutodiffModule, Module, ModuleMapper, Param};
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+
+use super::{Fsdp, FsdpError, collect_shards, describe_params, unit_shards};
+use crate::collectives::Phase;
+use crate::op::FsdpBackend;
+use crate::runner::UnitRunner;
+use crate::unit::FsdpUnit;
+
+impl<B: FsdpBackend, M: AutodiffModule<B>> Fsdp<B, M> {
+    /// Runs `f` on the model in evaluation mode (Burn's `valid()`: the inner backend, no
+    /// autodiff; BatchNorm uses its running statistics), with the root unit all-gathered and
+    /// a runner that gathers each further unit when the model runs it. Every rank must call
+    /// it (the gathers are collectives).
+    ///
+    /// # Errors
+    /// [`FsdpError::Config`] with CPU offload (the shards are in host memory; evaluate on
+    /// [`full_parameters`](Self::full_parameters) instead).
+    ///
+    /// # Example
+    /// ```ignore
+    /// let logits = fsdp.forward_valid(|model, runner| model.forward_with(ids, runner))?;
+    /// ```
+    pub fn forward_valid<O>(
+        &self,
+        f: impl FnOnce(&M::InnerModule, &mut FsdpEvalRunner<'_, B, M>) -> O,
+    ) -> Result<O, FsdpError> {
+        if self.host.is_some() {
+            return Err(FsdpError::Config(
+                "forward_valid with CPU offload: the shards live in host memory; evaluate a model \
+                 built from `Fsdp::full_parameters` instead"
+                    .into(),
+            ));
+        }
+        // Nothing of the training step may still be in flight on the communication thread.
+        self.quiesce();
+        let inner = self.module.valid();
+        let root = if self.units[0].params.is_empty() || self.bypass() {
+            inner
+        } else {
+            self.gather_valid(inner, 0)
+        };
+        let mut runner = FsdpEvalRunner { fsdp: self };
+        Ok(f(&root, &mut runner))
+    }
+
+    /// `module` (on the inner backend) with unit `u`'s parameters all-gathered.
+    fn gather_valid<U: Module<B::InnerBackend>>(&self, module: U, u: usize) -> U {
+        let unit = &self.units[u];
+        let shards = collect_shards::<B::InnerBackend, U>(&module, &self.param_unit, self.units.len());
+        let pieces = unit_shards::<B::InnerBackend, _>(unit, &shards[u]);
+        let flat = crate::prefetch::flat::<B::InnerBackend>(pieces);
+        let gathered = unit.comm.gather(flat, Phase::ForwardGather).reshape([self.world(), unit.shard_len()]);
+        module.map(&mut InnerUnsharder { unit, gathered })
+    }
+}
+
+/// The [`UnitRunner`] of [`Fsdp::forward_valid`]: gathers each unit (on the inner backend)
+/// just before it runs.
+pub struct FsdpEvalRunner<'a, B: FsdpBackend, M: AutodiffModule<B>> {
+    fsdp: &'a Fsdp<B, M>,
+}
+
+impl<B: FsdpBackend, M: AutodiffModule<B>> std::fmt::Debug for FsdpEvalRunner<'_, B, M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FsdpEvalRunner").finish_non_exhaustive()
+    }
+}
+
+impl<B: FsdpBackend, M: AutodiffModule<B>> UnitRunner<B::InnerBackend> for FsdpEvalRunner<'_, B, M> {
+    fn run<U: Module<B::InnerBackend>, const D: usize>(
+        &mut self,
+        unit: &U,
+        x: Tensor<B::InnerBackend, D>,
+        f: impl FnOnce(&U, Tensor<B::InnerBackend, D>) -> Tensor<B::InnerBackend, D>,
+    ) -> Tensor<B::InnerBackend, D> {
+        let fsdp = self.fsdp;
+        if fsdp.bypass() {
+            return f(unit, x);
+        }
+        let ids = describe_params::<B::InnerBackend, U>(unit);
+        let mut units = ids.iter().filter_map(|(id, ..)| fsdp.param_unit.get(id).copied());
+        let Some(u) = units.next() else { return f(unit, x) };
+        if let Some(other) = units.find(|&o| o != u) {
+            panic!(
+                "FSDP: a module run through the runner mixes units `{}` and `{}`; run each unit separately",
+                fsdp.units[u].name, fsdp.units[other].name
+            );
+        }
+        let view = fsdp.gather_valid(unit.clone(), u);
+        let x = match fsdp.config.mp_policy.param_dtype {
+            Some(dt) if x.dtype() != dt => x.cast(dt),
+            _ => x,
+        };
+        let y = f(&view, x);
+        match fsdp.config.mp_policy.output_dtype {
+            Some(dt) if y.dtype() != dt => y.cast(dt),
+            _ => y,
+        }
+    }
+}
+
+/// Replaces one unit's shards by their all-gathered values, on any backend.
+struct InnerUnsharder<'a, I: Backend> {
+    unit: &'a FsdpUnit<I>,
+    gathered: Tensor<I, 2>,
+}
+
+impl<I: Backend> ModuleMapper<I> for InnerUnsharder<'_, I> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<I, D>>) -> Param<Tensor<I, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let Some(i) = self.unit.index_of(id) else {
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
+        let p = &self.unit.params[i];
+        let cols = self.gathered.clone().narrow(1, self.unit.offsets[i], p.shard_numel());
+        Param::from_mapped_value(id, p.unshard(cols), mapper)
+    }
+}
