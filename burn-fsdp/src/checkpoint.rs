@@ -12,8 +12,9 @@
 //! Files hold only their rank's rows (no padding), so a checkpoint saved at world size W
 //! loads at any W′: each rank rebuilds its new rows from the files that hold them. Every file
 //! is written under a temporary name and renamed; the index is written last, after all ranks
-//! have finished, and records each file's size: a directory without an index, or whose files
-//! do not match it, never loads. Loading validates everything before touching the model, so
+//! have finished, and records each file's size and XXH3-64 checksum: a directory without an
+//! index, or whose files do not match it (truncated, replaced, or corrupted in place), never
+//! loads. Loading validates everything before touching the model, so
 //! nothing is half-loaded.
 
 use std::collections::HashMap;
@@ -60,6 +61,26 @@ pub struct FileEntry {
     pub name: String,
     /// Its size in bytes (a truncated file does not match).
     pub bytes: u64,
+    /// XXH3-64 of its bytes, as 16 hex digits (a file corrupted in place does not match).
+    /// Absent in checkpoints written before checksums were recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub xxh3: Option<String>,
+}
+
+/// XXH3-64 of the file at `path`, as 16 hex digits (read in 1 MiB blocks).
+pub fn file_checksum(path: &Path) -> Result<String, IoError> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path).map_err(io_err(path))?;
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf).map_err(io_err(path))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(format!("{:016x}", hasher.digest()))
 }
 
 /// The contents of `index.json`.
@@ -128,7 +149,7 @@ pub fn rank_file(r: usize, w: usize) -> String {
     format!("rank-{r:05}-of-{w:05}.safetensors")
 }
 
-/// Reads and validates `dir/index.json` and the sizes of the files it lists.
+/// Reads and validates `dir/index.json`, and the sizes and checksums of the files it lists.
 pub fn read_index(dir: &Path) -> Result<CheckpointIndex, CheckpointError> {
     let path = dir.join(INDEX_FILE);
     if !path.is_file() {
@@ -158,6 +179,15 @@ pub fn read_index(dir: &Path) -> Result<CheckpointIndex, CheckpointError> {
                 &p,
                 format!("has {} bytes, {INDEX_FILE} says {} (truncated or replaced)", meta.len(), f.bytes),
             ));
+        }
+        if let Some(want) = &f.xxh3 {
+            let got = file_checksum(&p)?;
+            if &got != want {
+                return Err(invalid(
+                    &p,
+                    format!("checksum {got} does not match {INDEX_FILE}'s {want}: the file is corrupted"),
+                ));
+            }
         }
     }
     for p in &index.params {
@@ -239,7 +269,7 @@ impl CheckpointReader {
 }
 
 /// Writes `index.json` (last, atomically) for the rank files of a `world`-rank save in `dir`,
-/// recording each file's size.
+/// recording each file's size and checksum.
 fn write_index(
     dir: &Path,
     world: usize,
@@ -253,7 +283,7 @@ fn write_index(
             let name = rank_file(r, world);
             let p = dir.join(&name);
             let bytes = std::fs::metadata(&p).map_err(io_err(&p))?.len();
-            Ok(FileEntry { name, bytes })
+            Ok(FileEntry { name, bytes, xxh3: Some(file_checksum(&p)?) })
         })
         .collect::<Result<Vec<_>, IoError>>()?;
     let index = CheckpointIndex {

@@ -179,6 +179,30 @@ fn truncated_or_missing_shard_files_are_named() {
 }
 
 #[test]
+fn a_shard_corrupted_in_place_is_refused_by_resume_and_consolidate() {
+    let (d, ck) = saved_checkpoint();
+    let index = read_index(&ck).unwrap();
+    assert!(index.files.iter().all(|f| f.xxh3.as_ref().is_some_and(|h| h.len() == 16)), "{:?}", index.files);
+    // Flip one bit of a weight in the middle of rank 1's file: same size, still valid
+    // safetensors, different numbers.
+    let file = ck.join(rank_file(1, 2));
+    let mut bytes = std::fs::read(&file).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(&file, &bytes).unwrap();
+    let e = err("qwen3-tiny-a", &["--world-size", "2", "--resume", &path(&ck)]);
+    assert!(e.contains("rank-00001-of-00002.safetensors") && e.contains("checksum"), "{e}");
+    let e = xtask::consolidate::run(&xtask::consolidate::ConsolidateArgs {
+        sharded: ck.clone(),
+        out: d.path().join("cons"),
+    })
+    .unwrap_err();
+    let e = format!("{e:#}");
+    assert!(e.contains("rank-00001-of-00002.safetensors") && e.contains("checksum"), "{e}");
+    assert!(!d.path().join("cons").join("model.safetensors").exists());
+}
+
+#[test]
 fn a_save_without_index_never_loads() {
     let (_d, ck) = saved_checkpoint();
     std::fs::remove_file(ck.join(INDEX_FILE)).unwrap();

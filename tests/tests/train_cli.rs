@@ -310,3 +310,44 @@ fn lr_schedule_and_warmup_flags() {
     let e = parse_train(&["train-qwen3", "--lr-schedule", "exp"]).unwrap_err();
     assert!(e.contains("--lr-schedule"), "{e}");
 }
+
+/// A copy of the qwen3-tiny-a checkpoint with one NaN in `name`.
+fn checkpoint_with_a_nan(dir: &Path, name: &str) -> String {
+    use burn_fsdp::io::TensorOut;
+    let (model, config) =
+        qwen3_burn::Qwen3::<burn::backend::NdArray<f32>>::load(fixture("qwen3-tiny-a"), &Default::default())
+            .unwrap();
+    let mut tensors = model.to_hf_tensors();
+    let (_, t) = tensors.iter_mut().find(|(n, _)| n == name).unwrap();
+    let TensorOut::F32(_, values) = t else { panic!("{name} is not f32") };
+    values[3] = f32::NAN;
+    burn_fsdp::io::write_safetensors(dir.join("model.safetensors"), tensors, None).unwrap();
+    config.save(dir).unwrap();
+    dir.display().to_string()
+}
+
+#[test]
+fn a_non_finite_loss_stops_training_with_the_step_and_still_writes_the_summary() {
+    let ckpt = tempfile::tempdir().unwrap();
+    let c = checkpoint_with_a_nan(ckpt.path(), "model.layers.0.mlp.down_proj.weight");
+    let batches = fixture("qwen3-tiny-a/batches.safetensors").display().to_string();
+    for mode in [&["--world-size", "2"][..], &["--no-fsdp"][..]] {
+        let out = tempfile::tempdir().unwrap();
+        let o = out.path().display().to_string();
+        let mut argv =
+            vec!["train-qwen3", "--checkpoint", &c, "--batches", &batches, "--steps", "5", "--quiet"];
+        argv.extend_from_slice(mode);
+        argv.extend(["--out-dir", &o]);
+        let e = format!("{:#}", xtask::train::run(&parse_train(&argv).unwrap()).unwrap_err());
+        assert!(e.contains("step 0") && e.contains("loss NaN") && e.contains("stopped"), "{mode:?}: {e}");
+        if mode[0] == "--world-size" {
+            assert!(e.contains("rank 0"), "{e}");
+        }
+        let s = summary(out.path());
+        assert_eq!(s["steps"], 1, "{s}");
+        assert!(s["stopped"].as_str().unwrap().contains("step 0"), "{s}");
+        assert!(s["loss_plot"].is_null(), "nothing finite to plot: {s}");
+        let lines = std::fs::read_to_string(out.path().join("metrics.jsonl")).unwrap();
+        assert_eq!(lines.lines().count(), 1);
+    }
+}

@@ -411,6 +411,17 @@ pub struct StepMetrics {
     pub lr: f64,
     /// Tokens of the global batch divided by the step's wall time.
     pub tokens_per_sec: f64,
+    /// The lowest (data-parallel) rank whose own loss was not finite, if any. Training stops
+    /// at the first step whose loss or gradient norm is not finite, before its update.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nonfinite_rank: Option<usize>,
+}
+
+impl StepMetrics {
+    /// Whether the loss and the gradient norm are finite numbers.
+    pub fn is_finite(&self) -> bool {
+        self.loss.is_finite() && self.grad_norm.is_finite()
+    }
 }
 
 /// The model and data a run starts from.
@@ -946,9 +957,33 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
     };
     sink.finish();
     if !is_main {
+        if let Some(m) = metrics.iter().find(|m| !m.is_finite()) {
+            bail!(
+                "step {}: non-finite loss or gradient norm; training stopped (rank 0 writes the summary)",
+                m.step
+            );
+        }
         return Ok(metrics);
     }
-    let comparison = match (args.compare_to.as_deref(), reference_setup) {
+    // The first non-finite step (training stopped there): no comparison, and the error below
+    // once summary.json and the plot of what ran are written.
+    let stopped = metrics.iter().find(|m| !m.is_finite()).map(|m| {
+        let what = match (m.loss.is_finite(), m.grad_norm.is_finite()) {
+            (false, _) => format!("loss {}", m.loss),
+            (true, _) => format!("gradient norm {}", m.grad_norm),
+        };
+        let rank = match m.nonfinite_rank {
+            Some(r) if !args.no_fsdp => format!(" (first on rank {r})"),
+            _ => String::new(),
+        };
+        format!(
+            "step {}: {what}{rank}; training stopped before this step's update (check the learning rate, \
+             the data and the checkpoint's weights)",
+            m.step
+        )
+    });
+    let reference_setup = if stopped.is_some() { None } else { reference_setup };
+    let comparison = match (args.compare_to.as_deref().filter(|_| stopped.is_none()), reference_setup) {
         (Some("single"), Some(reference)) => {
             if !args.quiet {
                 println!("compare-to single: rerunning the same model and data on one device without FSDP…");
@@ -967,7 +1002,10 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
         (None, _) => None,
     };
     let png = out_dir.join("loss.png");
-    let mut series = vec![("this run", metrics.iter().map(|m| (m.step as f64, m.loss)).collect::<Vec<_>>())];
+    let finite: Vec<(f64, f64)> =
+        metrics.iter().filter(|m| m.loss.is_finite()).map(|m| (m.step as f64, m.loss)).collect();
+    let has_plot = !finite.is_empty();
+    let mut series = vec![("this run", finite)];
     if let Some(c) = &comparison {
         let first = metrics.first().map_or(0, |m| m.step);
         series.push((
@@ -975,7 +1013,9 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
             c.losses.iter().enumerate().map(|(i, l)| ((first + i) as f64, *l)).collect(),
         ));
     }
-    crate::plot::loss_png(&png, &format!("train-qwen3: {mode}"), &series)?;
+    if has_plot {
+        crate::plot::loss_png(&png, &format!("train-qwen3: {mode}"), &series)?;
+    }
     let summary = serde_json::json!({
         "mode": mode,
         "world_size": world,
@@ -987,13 +1027,17 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
         "mean_tokens_per_sec": mean_tps(&metrics),
         "model_config": config,
         "metrics": metrics_path,
-        "loss_plot": png,
+        "loss_plot": has_plot.then_some(&png),
+        "stopped": stopped,
         "comparison": comparison,
         "collectives_per_step": sink.collectives(),
     });
     let summary_path = out_dir.join("summary.json");
     std::fs::write(&summary_path, serde_json::to_string_pretty(&summary)?)
         .with_context(|| format!("writing {}", summary_path.display()))?;
+    if let Some(why) = stopped {
+        bail!("{why}; what ran is in {} and {}", metrics_path.display(), summary_path.display());
+    }
     if !args.quiet
         && let (Some(first), Some(last)) = (metrics.first(), metrics.last())
     {
@@ -1105,7 +1149,10 @@ pub fn train_single_on<AB: burn::tensor::backend::AutodiffBackend>(
         }
         let mut grads = accum.grads();
         let grad_norm = clip_grad_norm(&model, &mut grads, args.clip.unwrap_or(0.0));
-        model = optim.step(model, grads);
+        let finite = loss_sum.is_finite() && grad_norm.is_finite();
+        if finite {
+            model = optim.step(model, grads);
+        }
         let metrics = StepMetrics {
             step,
             loss: loss_sum,
@@ -1113,9 +1160,13 @@ pub fn train_single_on<AB: burn::tensor::backend::AutodiffBackend>(
             lr,
             tokens_per_sec: (batches.rows * (batches.width - 1)) as f64
                 / start.elapsed().as_secs_f64().max(1e-9),
+            nonfinite_rank: (!loss_sum.is_finite()).then_some(0),
         };
         sink.emit(&metrics)?;
         out.push(metrics);
+        if !finite {
+            break;
+        }
     }
     Ok(out)
 }
@@ -1358,8 +1409,19 @@ pub fn fsdp_rank<B: burn::tensor::backend::Backend>(
             }
             None => fsdp.clip_grad_norm(&mut grads, args.clip.unwrap_or(0.0))?,
         };
-        fsdp.step(&mut optim, grads);
         let loss = fsdp.all_reduce_scalar(loss_sum, ReduceOp::Avg, "loss")?;
+        // The loss and the norm are global: every rank takes the same branch.
+        let finite = loss.is_finite() && grad_norm.is_finite();
+        let nonfinite_rank = if finite {
+            fsdp.step(&mut optim, grads);
+            None
+        } else {
+            // The lowest data-parallel rank whose own loss was not finite, as
+            // world - max(world - r) (0 from ranks whose loss was finite).
+            let mine = if loss_sum.is_finite() { 0.0 } else { (data_world - data_rank) as f64 };
+            let max = fsdp.all_reduce_scalar(mine, ReduceOp::Max, "nonfinite-rank")?;
+            (max > 0.0).then(|| data_world - max.round() as usize)
+        };
         let metrics = StepMetrics {
             step,
             loss,
@@ -1367,6 +1429,7 @@ pub fn fsdp_rank<B: burn::tensor::backend::Backend>(
             lr,
             tokens_per_sec: (batches.rows * (batches.width - 1)) as f64
                 / start.elapsed().as_secs_f64().max(1e-9),
+            nonfinite_rank,
         };
         if rank == 0 {
             sink.emit(&metrics)?;
@@ -1377,6 +1440,9 @@ pub fn fsdp_rank<B: burn::tensor::backend::Backend>(
             sink.set_collectives(c);
         }
         out.push(metrics);
+        if !finite {
+            break;
+        }
         if let Some(save_dir) = &args.save_dir {
             let done = step + 1;
             if args.save_every.map_or(done == steps, |k| done % k == 0 || done == steps) {
