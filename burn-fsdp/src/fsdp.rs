@@ -942,8 +942,8 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
 
     /// The unit of a module run through the runner; `None` for a module without sharded
     /// parameters (only buffers or frozen parameters), which runs as it is.
-    fn unit_of_module<U: Module<B>>(&self, module: &U) -> Option<usize> {
-        let ids = describe_params::<B, U>(module);
+    fn unit_of_module<X: Backend, U: Module<X>>(&self, module: &U) -> Option<usize> {
+        let ids = describe_params::<X, U>(module);
         let mut units = ids.iter().filter_map(|(id, ..)| self.param_unit.get(id).copied());
         let first = units.next()?;
         if let Some(other) = units.find(|&u| u != first) {
@@ -982,7 +982,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         };
         let gathered = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(full))
             .reshape([self.world(), unit.shard_len()]);
-        let mut mapper = Unsharder::<B> { unit, gathered, _b: Default::default() };
+        let mut mapper = Unsharder { unit, gathered };
         module.map(&mut mapper)
     }
 }
@@ -1102,23 +1102,22 @@ impl<B: FsdpBackend> ModuleMapper<B> for Sharder<'_, B> {
     }
 }
 
-/// Replaces the shards of one unit's parameters by their all-gathered values.
-struct Unsharder<'a, B: FsdpBackend> {
-    unit: &'a FsdpUnit<B::InnerBackend>,
-    gathered: Tensor<B, 2>,
-    _b: std::marker::PhantomData<B>,
+/// Replaces the shards of one unit's parameters by their all-gathered values, on the
+/// training backend (`forward`) or its inner backend (`forward_valid`).
+struct Unsharder<'a, I: Backend, X: Backend> {
+    unit: &'a FsdpUnit<I>,
+    gathered: Tensor<X, 2>,
 }
 
-impl<B: FsdpBackend> ModuleMapper<B> for Unsharder<'_, B> {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+impl<I: Backend, X: Backend> ModuleMapper<X> for Unsharder<'_, I, X> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<X, D>>) -> Param<Tensor<X, D>> {
         let (id, tensor, mapper) = param.consume();
         let Some(i) = self.unit.index_of(id) else {
             return Param::from_mapped_value(id, tensor, mapper);
         };
         let p = &self.unit.params[i];
         let cols = self.gathered.clone().narrow(1, self.unit.offsets[i], p.shard_numel());
-        let full: Tensor<B, D> = p.unshard(cols);
-        Param::from_mapped_value(id, full, mapper)
+        Param::from_mapped_value(id, p.unshard(cols), mapper)
     }
 }
 

@@ -6,15 +6,13 @@
 //! first and each further unit when the model runs it (no autodiff graph, no resharding state to
 //! keep: each gathered unit is dropped when its block returns).
 
-use burn::module::{AutodiffModule, Module, ModuleMapper, Param};
+use burn::module::{AutodiffModule, Module};
 use burn::tensor::Tensor;
-use burn::tensor::backend::Backend;
 
-use super::{Fsdp, FsdpError, collect_shards, describe_params, unit_shards};
+use super::{Fsdp, FsdpError, Unsharder, collect_shards, unit_shards};
 use crate::collectives::Phase;
 use crate::op::FsdpBackend;
 use crate::runner::UnitRunner;
-use crate::unit::FsdpUnit;
 
 impl<B: FsdpBackend, M: AutodiffModule<B>> Fsdp<B, M> {
     /// Runs `f` on the model in evaluation mode (Burn's `valid()`: the inner backend, no
@@ -60,7 +58,7 @@ impl<B: FsdpBackend, M: AutodiffModule<B>> Fsdp<B, M> {
         let pieces = unit_shards::<B::InnerBackend, _>(unit, &shards[u]);
         let flat = crate::prefetch::flat::<B::InnerBackend>(pieces);
         let gathered = unit.comm.gather(flat, Phase::ForwardGather).reshape([self.world(), unit.shard_len()]);
-        module.map(&mut InnerUnsharder { unit, gathered })
+        module.map(&mut Unsharder { unit, gathered })
     }
 }
 
@@ -87,15 +85,7 @@ impl<B: FsdpBackend, M: AutodiffModule<B>> UnitRunner<B::InnerBackend> for FsdpE
         if fsdp.bypass() {
             return f(unit, x);
         }
-        let ids = describe_params::<B::InnerBackend, U>(unit);
-        let mut units = ids.iter().filter_map(|(id, ..)| fsdp.param_unit.get(id).copied());
-        let Some(u) = units.next() else { return f(unit, x) };
-        if let Some(other) = units.find(|&o| o != u) {
-            panic!(
-                "FSDP: a module run through the runner mixes units `{}` and `{}`; run each unit separately",
-                fsdp.units[u].name, fsdp.units[other].name
-            );
-        }
+        let Some(u) = fsdp.unit_of_module::<B::InnerBackend, U>(unit) else { return f(unit, x) };
         let view = fsdp.gather_valid(unit.clone(), u);
         let x = match fsdp.config.mp_policy.param_dtype {
             Some(dt) if x.dtype() != dt => x.cast(dt),
@@ -106,23 +96,5 @@ impl<B: FsdpBackend, M: AutodiffModule<B>> UnitRunner<B::InnerBackend> for FsdpE
             Some(dt) if y.dtype() != dt => y.cast(dt),
             _ => y,
         }
-    }
-}
-
-/// Replaces one unit's shards by their all-gathered values, on any backend.
-struct InnerUnsharder<'a, I: Backend> {
-    unit: &'a FsdpUnit<I>,
-    gathered: Tensor<I, 2>,
-}
-
-impl<I: Backend> ModuleMapper<I> for InnerUnsharder<'_, I> {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<I, D>>) -> Param<Tensor<I, D>> {
-        let (id, tensor, mapper) = param.consume();
-        let Some(i) = self.unit.index_of(id) else {
-            return Param::from_mapped_value(id, tensor, mapper);
-        };
-        let p = &self.unit.params[i];
-        let cols = self.gathered.clone().narrow(1, self.unit.offsets[i], p.shard_numel());
-        Param::from_mapped_value(id, p.unshard(cols), mapper)
     }
 }
