@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
 
-use crate::comm::{ProcessGroup, ReduceOp, Tag};
+use crate::comm::{CollectiveFailure, ProcessGroup, ReduceOp, Tag};
 
 /// Why a unit's collective runs: used in tags and messages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,8 +70,8 @@ impl<B: Backend> UnitComm<B> {
     /// All-gathers the flat shard: `[shard_len]` → `[world · shard_len]`.
     ///
     /// Runs inside forward and inside autodiff's backward, neither of which can return an
-    /// error: a failed collective panics with the communicator's message, and the rank's
-    /// launcher turns that panic into an error (and aborts the group for the other ranks).
+    /// error: a failed collective unwinds with a [`CollectiveFailure`], and the rank's
+    /// launcher turns it into an error (and aborts the group for the other ranks).
     pub fn gather(&self, shard: Tensor<B, 1>, phase: Phase) -> Tensor<B, 1> {
         let shard = match self.param_dtype {
             Some(dt) if shard.dtype() != dt => shard.cast(dt),
@@ -79,7 +79,7 @@ impl<B: Backend> UnitComm<B> {
         };
         match self.group.all_gather(shard, &self.tag(phase)) {
             Ok(full) => full,
-            Err(e) => panic!("FSDP unit `{}`: {e}", self.name),
+            Err(e) => CollectiveFailure::raise(format!("FSDP unit `{}`: {e}", self.name)),
         }
     }
 
@@ -116,7 +116,7 @@ impl<B: Backend> UnitComm<B> {
         };
         match reduced {
             Ok(g) => Some(g),
-            Err(e) => panic!("FSDP unit `{}`: {e}", self.name),
+            Err(e) => CollectiveFailure::raise(format!("FSDP unit `{}`: {e}", self.name)),
         }
     }
 }

@@ -259,40 +259,126 @@ pub trait ProcessGroup<B: Backend>: Send + Sync {
 /// model config), so that a rank started differently is refused before any real work.
 ///
 /// Errors on every rank with a [`CommError::BadInput`] naming `what` and the first rank that
-/// differs from rank 0. The digest travels as four 16-bit pieces in f32 (exact).
+/// differs from rank 0. [`check_items_on_all_ranks`] names which of several items differ.
 pub fn check_same_on_all_ranks<B: Backend>(
     group: &dyn ProcessGroup<B>,
     what: &str,
     digest: u64,
     device: &B::Device,
 ) -> Result<(), CommError> {
-    let pieces: Vec<f32> = (0..4).map(|i| ((digest >> (16 * i)) & 0xffff) as f32).collect();
+    check_items_on_all_ranks(group, what, &[(what.to_owned(), digest)], device)
+}
+
+/// Checks that every rank of `group` passes the same digest for each named item (e.g. one
+/// per flag, one for the model config, one for the data), so that a rank started
+/// differently is refused before any real work.
+///
+/// Errors on every rank with a [`CommError::BadInput`] naming the first rank that differs
+/// from rank 0 and every item in which it differs (`--lr, data`). Every rank must pass the
+/// same item names in the same order (the same program); a different number of items fails
+/// the all-gather itself. The digests travel as four 16-bit pieces each, in f32 (exact).
+pub fn check_items_on_all_ranks<B: Backend>(
+    group: &dyn ProcessGroup<B>,
+    what: &str,
+    items: &[(String, u64)],
+    device: &B::Device,
+) -> Result<(), CommError> {
+    let tag = Tag::new(format!("consistency: {what}"));
+    let pieces: Vec<f32> =
+        items.iter().flat_map(|(_, d)| (0..4).map(move |i| ((d >> (16 * i)) & 0xffff) as f32)).collect();
+    let n = pieces.len();
     let t = Tensor::<B, 1>::from_data(
-        burn::tensor::TensorData::new(pieces, [4]),
+        burn::tensor::TensorData::new(pieces, [n]),
         (device, burn::tensor::DType::F32),
     );
-    let all = group.all_gather(t, &Tag::new(format!("consistency: {what}")))?;
-    let values = all.into_data().convert::<f32>().to_vec::<f32>().map_err(|e| CommError::BadInput {
+    let all = group.all_gather(t, &tag)?;
+    let bad = |msg: String| CommError::BadInput {
         kind: CollectiveKind::AllGather,
-        tag: Tag::new("consistency"),
+        tag: tag.clone(),
         rank: group.rank(),
-        msg: format!("{e:?}"),
-    })?;
+        msg,
+    };
+    let values = all.into_data().convert::<f32>().to_vec::<f32>().map_err(|e| bad(format!("{e:?}")))?;
     let digests: Vec<u64> = values
         .chunks_exact(4)
         .map(|c| c.iter().enumerate().fold(0u64, |acc, (i, v)| acc | ((*v as u64) << (16 * i))))
         .collect();
-    match digests.iter().position(|d| *d != digests[0]) {
-        None => Ok(()),
-        Some(r) => Err(CommError::BadInput {
-            kind: CollectiveKind::AllGather,
-            tag: Tag::new(format!("consistency: {what}")),
-            rank: group.rank(),
-            msg: format!(
-                "rank {r} was started with different {what} than rank 0 (digest {:016x} vs {:016x}); \
-                 start every rank with the same command line and files",
-                digests[r], digests[0]
-            ),
-        }),
+    let per_rank: Vec<&[u64]> = digests.chunks(items.len().max(1)).collect();
+    let Some(r) = per_rank.iter().position(|d| *d != per_rank[0]) else {
+        return Ok(());
+    };
+    let differ: Vec<&str> = items
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| per_rank[r].get(*i) != per_rank[0].get(*i))
+        .map(|(_, (name, _))| name.as_str())
+        .collect();
+    Err(bad(format!(
+        "rank {r} was started with different {what} than rank 0, in: {}; start every rank with the same command line and files",
+        differ.join(", ")
+    )))
+}
+
+/// The panic payload of a collective that failed where no `Result` can be returned: inside
+/// a forward, or inside autodiff's backward (FSDP's all-gathers and reduce-scatters, tensor
+/// parallelism's all-reduces).
+///
+/// The rank's driver catches the unwind ([`launch`](crate::launch) does) and turns it into
+/// an error with [`panic_message`]; [`quiet_collective_panics`] keeps the panic hook from
+/// printing a backtrace for it, so that a rank whose peer died reports one line, not a crash.
+///
+/// ```
+/// use burn_fsdp::comm::{CollectiveFailure, panic_message, quiet_collective_panics};
+///
+/// quiet_collective_panics();
+/// let caught = std::panic::catch_unwind(|| {
+///     std::panic::panic_any(CollectiveFailure("all_gather `layer.0` aborted: rank 2 failed".into()))
+/// })
+/// .unwrap_err();
+/// assert_eq!(panic_message(caught.as_ref()), "all_gather `layer.0` aborted: rank 2 failed");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CollectiveFailure(pub String);
+
+impl fmt::Display for CollectiveFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl CollectiveFailure {
+    /// Unwinds with this failure as the payload (the panic hook stays quiet once
+    /// [`quiet_collective_panics`] has run).
+    pub fn raise(message: impl Into<String>) -> ! {
+        std::panic::panic_any(CollectiveFailure(message.into()))
+    }
+}
+
+/// Wraps the process's panic hook (once; later calls do nothing) so that it prints nothing
+/// for a [`CollectiveFailure`]: that unwind is an error report on its way to the rank's
+/// driver, not a bug. Every other panic is printed as before.
+pub fn quiet_collective_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !info.payload().is::<CollectiveFailure>() {
+                previous(info);
+            }
+        }));
+    });
+}
+
+/// The message of a caught panic: a [`CollectiveFailure`]'s, a `panic!` string's, or
+/// `"a panic without a message"`.
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(f) = payload.downcast_ref::<CollectiveFailure>() {
+        f.0.clone()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else {
+        "a panic without a message".to_owned()
     }
 }

@@ -560,11 +560,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         if not_run.is_empty() {
             std::panic::resume_unwind(payload);
         }
-        let cause = payload
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-            .unwrap_or_else(|| "a panic without a message".to_owned());
+        let cause = crate::comm::panic_message(payload.as_ref());
         Err(FsdpError::UnitNotRun { units: not_run.join(", "), cause })
     }
 

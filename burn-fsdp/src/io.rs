@@ -11,13 +11,12 @@ use safetensors::{Dtype, SafeTensors};
 #[derive(Debug, thiserror::Error)]
 pub enum IoError {
     /// The file system refused.
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         /// The file.
         path: PathBuf,
-        /// The I/O error.
-        #[source]
-        source: std::io::Error,
+        /// The I/O error (in the message, not repeated as a `source`).
+        error: std::io::Error,
     },
     /// The file is not valid safetensors (malformed or truncated).
     #[error("{path}: not a valid safetensors file: {msg}")]
@@ -50,7 +49,7 @@ pub enum IoError {
 /// `map_err` helper naming the file of an I/O error.
 pub fn io_err(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> IoError {
     let path = path.into();
-    move |source| IoError::Io { path, source }
+    move |error| IoError::Io { path, error }
 }
 
 /// A safetensors file read into memory.

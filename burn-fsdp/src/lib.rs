@@ -36,7 +36,7 @@ pub mod tcp;
 pub mod tp;
 pub mod unit;
 
-pub use comm::{CollectiveKind, CommError, CommStats, ProcessGroup, ReduceOp, Tag};
+pub use comm::{CollectiveFailure, CollectiveKind, CommError, CommStats, ProcessGroup, ReduceOp, Tag};
 pub use fsdp::{
     Fsdp, FsdpConfig, FsdpError, FsdpEvalRunner, FsdpRunner, MixedPrecisionPolicy, PathStack, UnitPolicy,
 };

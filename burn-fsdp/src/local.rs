@@ -14,7 +14,10 @@ use std::time::{Duration, Instant};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Element, Tensor, TensorData, bf16, f16};
 
-use crate::comm::{CollectiveKind, CommCounters, CommError, CommStats, ProcessGroup, ReduceOp, Tag};
+use crate::comm::{
+    CollectiveFailure, CollectiveKind, CommCounters, CommError, CommStats, ProcessGroup, ReduceOp, Tag,
+    panic_message, quiet_collective_panics,
+};
 
 /// Default collective timeout.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -556,27 +559,21 @@ pub struct RankError {
     pub message: String,
 }
 
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = p.downcast_ref::<String>() {
-        s.clone()
-    } else if let Some(s) = p.downcast_ref::<&str>() {
-        (*s).to_owned()
-    } else {
-        "panic".to_owned()
-    }
-}
-
 /// Runs `f` on `world` threads, each with its rank's handle of a fresh [`LocalGroup`].
 ///
 /// Returns every rank's value, or the error of the rank that failed first (a rank that
 /// failed only because a peer did is not reported as the cause). A rank that panics or
 /// returns an error aborts the group, so its peers stop within their current collective.
+/// A [`CollectiveFailure`] unwinding out of `f` is reported as that rank's error (its
+/// message, no "panicked"), and the panic hook prints nothing for it
+/// ([`quiet_collective_panics`]).
 pub fn launch<T, E, F>(world: usize, timeout: Duration, f: F) -> Result<Vec<T>, RankError>
 where
     T: Send,
     E: std::fmt::Display,
     F: Fn(Arc<LocalGroup>) -> Result<T, E> + Send + Sync,
 {
+    quiet_collective_panics();
     let groups = LocalGroup::new_group(world, timeout);
     let f = &f;
     let results: Vec<Result<T, (String, bool)>> = std::thread::scope(|s| {
@@ -589,6 +586,8 @@ where
                     let failure = match out {
                         Ok(Ok(v)) => return Ok(v),
                         Ok(Err(e)) => e.to_string(),
+                        // A collective that failed inside forward/backward is an error report.
+                        Err(p) if p.is::<CollectiveFailure>() => panic_message(p.as_ref()),
                         Err(p) => format!("panicked: {}", panic_message(p.as_ref())),
                     };
                     let secondary = failure.contains("aborted: rank");

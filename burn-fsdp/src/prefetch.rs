@@ -55,7 +55,7 @@ impl<T> Pending<T> {
         match self.0.recv() {
             Ok(Ok(v)) => v,
             Ok(Err(panic)) => resume_unwind(panic),
-            Err(_) => panic!("FSDP: the communication thread stopped"),
+            Err(_) => crate::comm::CollectiveFailure::raise("FSDP: the communication thread stopped"),
         }
     }
 }

@@ -453,11 +453,11 @@ fn all_reduce_prim<B: Backend>(
     let n = shape.num_elements();
     let flat = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::float_reshape(t, Shape::new([n]))));
     // Runs inside forward or autodiff's backward, neither of which can return an error: a
-    // failed collective panics with the communicator's message, and the rank's launcher
-    // turns the panic into an error and aborts the group (as FSDP's own collectives do).
+    // failed collective unwinds with a `CollectiveFailure`, and the rank's launcher
+    // turns it into an error and aborts the group (as FSDP's own collectives do).
     match group.all_reduce(flat, ReduceOp::Sum, tag) {
         Ok(r) => B::float_reshape(r.into_primitive().tensor(), shape),
-        Err(e) => panic!("tensor parallelism: {e}"),
+        Err(e) => crate::comm::CollectiveFailure::raise(format!("tensor parallelism: {e}")),
     }
 }
 

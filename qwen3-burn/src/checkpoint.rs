@@ -53,7 +53,7 @@ impl HfWeights {
         if !index.is_file() {
             return Err(Qwen3Error::Io {
                 path: single,
-                source: std::io::Error::new(
+                error: std::io::Error::new(
                     std::io::ErrorKind::NotFound,
                     format!("no {WEIGHTS_FILE} and no {INDEX_FILE} in {}", path.display()),
                 ),
@@ -61,7 +61,7 @@ impl HfWeights {
         }
         let text = std::fs::read_to_string(&index).map_err(io_err(&index))?;
         let json: serde_json::Value =
-            serde_json::from_str(&text).map_err(|source| Qwen3Error::Json { path: index.clone(), source })?;
+            serde_json::from_str(&text).map_err(|error| Qwen3Error::Json { path: index.clone(), error })?;
         let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| Qwen3Error::Config {
             path: index.clone(),
             msg: "no `weight_map` object".into(),

@@ -86,7 +86,7 @@ impl Qwen3Config {
     /// Parses and validates the text of an HF `config.json`; `path` is used in errors.
     pub fn from_json_str(text: &str, path: &Path) -> Result<Self> {
         let raw: HfConfig = serde_json::from_str(text)
-            .map_err(|source| Qwen3Error::Json { path: path.to_path_buf(), source })?;
+            .map_err(|error| Qwen3Error::Json { path: path.to_path_buf(), error })?;
         let bad = |msg: String| Qwen3Error::Config { path: path.to_path_buf(), msg };
         let need = |v: Option<usize>, key: &str| v.ok_or_else(|| bad(format!("missing `{key}`")));
         if let Some(t) = &raw.model_type

@@ -9,22 +9,20 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum Qwen3Error {
     /// A file could not be read or written.
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         /// The file.
         path: PathBuf,
-        /// The I/O error.
-        #[source]
-        source: std::io::Error,
+        /// The I/O error (in the message, not repeated as a `source`).
+        error: std::io::Error,
     },
     /// A JSON file is not valid JSON or does not have the expected fields.
-    #[error("{path}: invalid JSON: {source}")]
+    #[error("{path}: invalid JSON: {error}")]
     Json {
         /// The file.
         path: PathBuf,
-        /// The parse error.
-        #[source]
-        source: serde_json::Error,
+        /// The parse error (in the message, not repeated as a `source`).
+        error: serde_json::Error,
     },
     /// The model configuration is invalid or unsupported.
     #[error("{path}: invalid Qwen3 config: {msg}")]
@@ -94,7 +92,7 @@ impl From<burn_fsdp::io::IoError> for Qwen3Error {
     fn from(e: burn_fsdp::io::IoError) -> Self {
         use burn_fsdp::io::IoError as E;
         match e {
-            E::Io { path, source } => Qwen3Error::Io { path, source },
+            E::Io { path, error } => Qwen3Error::Io { path, error },
             E::Format { path, msg } => Qwen3Error::Safetensors { path, msg },
             E::Missing { path, name } => Qwen3Error::MissingTensor { path, name },
             E::DType { path, name, dtype } => Qwen3Error::DType { path, name, dtype },
@@ -107,5 +105,5 @@ pub type Result<T> = std::result::Result<T, Qwen3Error>;
 
 pub(crate) fn io_err(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Qwen3Error {
     let path = path.into();
-    move |source| Qwen3Error::Io { path, source }
+    move |error| Qwen3Error::Io { path, error }
 }

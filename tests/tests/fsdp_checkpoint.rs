@@ -232,7 +232,8 @@ fn a_checkpoint_of_another_model_is_refused_and_nothing_is_half_loaded() {
     let (_d, ck) = saved_checkpoint();
     // tiny-b's model with tiny-a's checkpoint.
     let e = err("qwen3-tiny-b", &["--world-size", "2", "--resume", &path(&ck)]);
-    assert!(e.contains("index.json") && e.contains("model config"), "{e}");
+    assert!(e.contains("qwen3-tiny-b is another model than the one saved in --resume"), "{e}");
+    assert!(e.contains("given vs saved:") && e.contains("hidden_size"), "names the difference: {e}");
     // Direct API: a failed load leaves the shards untouched.
     let (model, config) = Qwen3::<NdArray<f32>>::load(fixture("qwen3-tiny-a"), &Default::default()).unwrap();
     let weights = model.to_hf_tensors();

@@ -206,7 +206,7 @@ fn preset_seed_batch_seq_and_quiet_flags() {
         &o,
     ];
     let args = parse_train(&argv).unwrap();
-    assert_eq!((args.batch, args.seq, args.seed, args.quiet), (1, 8, 3, true));
+    assert_eq!((args.batch, args.seq, args.seed, args.quiet), (Some(1), Some(8), Some(3), true));
     let m = xtask::train::run(&args).unwrap();
     assert_eq!(m.len(), 2);
     // tiny's vocabulary has 512 entries: the first loss is near ln(512) ≈ 6.24.

@@ -125,7 +125,12 @@ pub fn launch_local(args: &TrainArgs, raw: &[String]) -> Result<()> {
             .enumerate()
             .map(|(r, s)| format!("rank {r}: {}", s.map(|s| s.to_string()).unwrap_or_default()))
             .collect();
-        bail!("the job failed: rank {rank} exited first with an error ({})", codes.join(", "));
+        use std::os::unix::process::ExitStatusExt;
+        let how = match status[rank].and_then(|s| s.signal()) {
+            Some(sig) => format!("was killed by signal {sig}"),
+            None => "exited with an error".to_owned(),
+        };
+        bail!("the job failed: rank {rank} {how} first ({})", codes.join(", "));
     }
     Ok(())
 }

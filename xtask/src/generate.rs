@@ -3,9 +3,10 @@
 use std::path::PathBuf;
 
 use anyhow::{Result, bail};
-use qwen3_burn::Qwen3;
+use qwen3_burn::checkpoint::CONFIG_FILE;
 use qwen3_burn::generate::Sampling;
 use qwen3_burn::tokenizer::Tokenizer;
+use qwen3_burn::{Qwen3, Qwen3Config};
 
 use crate::{Backend, device};
 
@@ -21,7 +22,8 @@ pub struct GenerateArgs {
     /// Most tokens to add.
     #[arg(long, default_value_t = 32)]
     pub max_new_tokens: usize,
-    /// `tokenizer.json` (default: the Qwen3 tokenizer shipped in tests/fixtures).
+    /// `tokenizer.json` (default: $QWEN3_TOKENIZER, else the checkpoint's own
+    /// `tokenizer.json`, else the Qwen3 tokenizer of the repository's tests/fixtures).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
     /// 0 for greedy decoding, otherwise the sampling temperature.
@@ -32,19 +34,31 @@ pub struct GenerateArgs {
     pub seed: u64,
 }
 
-/// The Qwen3 tokenizer bundled with the repository.
-pub fn default_tokenizer() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/qwen3-tokenizer/tokenizer.json")
-}
-
 /// Runs the command and returns the generated text.
 pub fn run(args: &GenerateArgs) -> Result<String> {
     if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
         bail!("--temperature must be a non-negative number, got {}", args.temperature);
     }
     let device = device();
-    let (model, config) = Qwen3::<Backend>::load(&args.checkpoint, &device)?;
-    let tokenizer = Tokenizer::from_file(args.tokenizer.clone().unwrap_or_else(default_tokenizer))?;
+    if !args.checkpoint.is_dir() {
+        bail!("--checkpoint {}: no such directory", args.checkpoint.display());
+    }
+    let config = Qwen3Config::from_file(args.checkpoint.join(CONFIG_FILE))?;
+    let tok_path = crate::tokenizer::resolve(args.tokenizer.as_deref(), Some(&args.checkpoint))?;
+    let tokenizer = Tokenizer::from_file(&tok_path)?;
+    // Refused before the weights are read: a model whose vocabulary does not cover the
+    // tokenizer's would sample ids the tokenizer reads as other tokens, or none.
+    if tokenizer.vocab_size() > config.vocab_size {
+        bail!(
+            "the tokenizer {} has {} tokens but the model in {} has a vocabulary of {}: it was not trained \
+             with this tokenizer (give the model's own with --tokenizer)",
+            tok_path.display(),
+            tokenizer.vocab_size(),
+            args.checkpoint.display(),
+            config.vocab_size
+        );
+    }
+    let model = Qwen3::<Backend>::load_weights(&config, &args.checkpoint, &device)?;
     let prompt = tokenizer.encode(&args.prompt)?;
     if prompt.is_empty() {
         bail!("--prompt is empty after tokenization");

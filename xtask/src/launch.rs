@@ -158,14 +158,30 @@ pub fn shell_words(words: &[String]) -> String {
         .join(" ")
 }
 
-/// A digest of everything every rank must agree on: flags (but not where this rank prints),
-/// model config, the weights' names, shapes and values, and the data.
-pub fn run_digest(args: &TrainArgs, setup: &Setup) -> u64 {
+/// Digests of everything every rank must agree on, one per item so that a mismatch names
+/// it: each flag (`--lr`, …, but not `--quiet`: where a rank prints), the model config, the
+/// weights (names, shapes and values) and the data.
+pub fn run_digest(args: &TrainArgs, setup: &Setup) -> Vec<(String, u64)> {
+    let digest = |bytes: &[u8]| {
+        let mut h = Fnv64::default();
+        h.write(bytes);
+        h.0
+    };
+    let mut items = Vec::new();
+    if let Ok(serde_json::Value::Object(flags)) = serde_json::to_value(args) {
+        for (name, value) in flags.iter().filter(|(name, _)| name.as_str() != "quiet") {
+            let flag = match name.as_str() {
+                "mpirun_args" => "--mpirun-arg".to_owned(),
+                n => format!("--{}", n.replace('_', "-")),
+            };
+            items.push((flag, digest(value.to_string().as_bytes())));
+        }
+    }
+    items.push((
+        "model config".to_owned(),
+        digest(serde_json::to_string(&setup.config).unwrap_or_default().as_bytes()),
+    ));
     let mut h = Fnv64::default();
-    let mut a = args.clone();
-    a.quiet = false;
-    h.write(format!("{a:?}").as_bytes());
-    h.write(serde_json::to_string(&setup.config).unwrap_or_default().as_bytes());
     for (name, t) in &setup.model {
         h.write(name.as_bytes());
         match t {
@@ -179,12 +195,15 @@ pub fn run_digest(args: &TrainArgs, setup: &Setup) -> u64 {
             }
         }
     }
+    items.push(("weights".to_owned(), h.0));
+    let mut h = Fnv64::default();
     h.write(
         format!("{:?}", (setup.batches.steps, setup.batches.rows, setup.batches.width, setup.steps))
             .as_bytes(),
     );
     setup.batches.tokens.iter().for_each(|t| h.write(&t.to_le_bytes()));
-    h.0
+    items.push(("data".to_owned(), h.0));
+    items
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -211,10 +230,10 @@ pub fn check_job_consistent(
     args: &TrainArgs,
     setup: &Setup,
 ) -> Result<()> {
-    burn_fsdp::comm::check_same_on_all_ranks::<crate::Backend>(
+    burn_fsdp::comm::check_items_on_all_ranks::<crate::Backend>(
         world,
-        "flags, model config, weights and data",
-        run_digest(args, setup),
+        "flags, model config, weights or data",
+        &run_digest(args, setup),
         &crate::device(),
     )
     .map_err(|e| anyhow::anyhow!("{e}"))

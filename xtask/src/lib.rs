@@ -15,6 +15,7 @@ pub mod logits;
 pub mod mpi_tools;
 pub mod plot;
 pub mod schedule;
+pub mod tokenizer;
 pub mod train;
 
 /// The CPU backend every command runs on.

@@ -2,7 +2,7 @@
 
 use crate::schedule::{LrSchedule, WarmupDecay};
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Instant;
 
@@ -29,14 +29,18 @@ use burn::backend::Autodiff;
 use burn_metax_backend::{MetaxEmu, MetaxEmuDevice};
 
 /// Arguments of `train-qwen3`.
-#[derive(Debug, Clone, clap::Args)]
+///
+/// A flag that the chosen mode would ignore is refused by [`run`], naming it (e.g. `--seq`
+/// with `--batches`, `--preset` with `--checkpoint`).
+#[derive(Debug, Clone, clap::Args, Serialize)]
 pub struct TrainArgs {
     /// HF checkpoint directory to start from; without it a small built-in Qwen3 is used.
     #[arg(long)]
     pub checkpoint: Option<PathBuf>,
-    /// Built-in model when no --checkpoint is given: tiny, 0.6b, 1.7b, 4b, 8b.
-    #[arg(long, default_value = "tiny")]
-    pub preset: String,
+    /// Built-in model when no --checkpoint is given: tiny (the default), 0.6b, 1.7b, 4b, 8b.
+    /// With --resume it must match the checkpoint's model.
+    #[arg(long, conflicts_with = "checkpoint")]
+    pub preset: Option<String>,
     /// Safetensors file with `tokens` [steps, rows, seq+1]; step s trains on tokens[s].
     /// Without it, synthetic data is generated.
     #[arg(long)]
@@ -47,15 +51,16 @@ pub struct TrainArgs {
     /// Number of in-process FSDP ranks.
     #[arg(long)]
     pub world_size: Option<usize>,
-    /// Free gathered parameters after each unit's forward and re-gather them in backward.
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
-    pub reshard_after_forward: bool,
+    /// Free gathered parameters after each unit's forward and re-gather them in backward
+    /// (`true`, the default, or `false`).
+    #[arg(long, action = clap::ArgAction::Set)]
+    pub reshard_after_forward: Option<bool>,
     /// Run each FSDP collective on the compute thread when it is needed, instead of
     /// prefetching all-gathers and reducing gradients on a communication thread while
     /// compute goes on (FsdpConfig::prefetch = false). Results are bit-identical either way.
     #[arg(long)]
     pub no_prefetch: bool,
-    /// Number of optimizer steps (default: all steps of --batches, or 50 on synthetic data).
+    /// Number of optimizer steps (default: all steps of --batches, else 20).
     #[arg(long)]
     pub steps: Option<usize>,
     /// Text to train on: a `.txt` file, or `.jsonl` with one `{"text": …}` per line;
@@ -64,7 +69,8 @@ pub struct TrainArgs {
     /// Qwen3 checkpoint.)
     #[arg(long, conflicts_with = "batches")]
     pub data: Option<PathBuf>,
-    /// `tokenizer.json` for --data (default: the Qwen3 tokenizer shipped in tests/fixtures).
+    /// `tokenizer.json` for --data (default: $QWEN3_TOKENIZER, else the checkpoint's
+    /// `tokenizer.json`, else the Qwen3 tokenizer of the repository's tests/fixtures).
     #[arg(long, requires = "data")]
     pub tokenizer: Option<PathBuf>,
     /// Directory for this run's metrics.jsonl and summary.json (default: runs/<timestamp>).
@@ -75,15 +81,17 @@ pub struct TrainArgs {
     /// like the PyTorch fixtures, or a metrics.jsonl.
     #[arg(long)]
     pub compare_to: Option<String>,
-    /// Rows per rank per step, for synthetic data.
-    #[arg(long, default_value_t = 2)]
-    pub batch: usize,
-    /// Tokens per row, for synthetic data.
-    #[arg(long, default_value_t = 64)]
-    pub seq: usize,
-    /// Seed of the model initialisation and synthetic data.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    /// Rows per rank per step, for synthetic data and --data (default 2; --batches fixes its
+    /// own).
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Tokens per row, for synthetic data and --data (default 64; --batches fixes its own).
+    #[arg(long)]
+    pub seq: Option<usize>,
+    /// Seed of the model initialisation (--preset), the synthetic data and the shuffling of
+    /// --data (default 0).
+    #[arg(long)]
+    pub seed: Option<u64>,
     /// AdamW learning rate.
     #[arg(long, default_value_t = 3e-3)]
     pub lr: f64,
@@ -182,7 +190,8 @@ pub struct TrainArgs {
 }
 
 /// `--launcher` values.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum Launcher {
     /// In-process ranks (threads).
     Local,
@@ -249,7 +258,8 @@ impl Job {
 }
 
 /// `--device` values.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum DeviceKind {
     /// The CPU (host-buffer collectives of the launcher).
     Cpu,
@@ -276,7 +286,8 @@ impl DeviceKind {
 }
 
 /// `--mixed-precision` values.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum Precision {
     /// Everything in fp32.
     Fp32,
@@ -364,6 +375,20 @@ fn parse_betas(s: &str) -> std::result::Result<(f64, f64), String> {
 }
 
 impl TrainArgs {
+    /// `--seed`, 0 when not given.
+    pub fn seed(&self) -> u64 {
+        self.seed.unwrap_or(0)
+    }
+
+    /// `--batch` and `--seq` (2 and 64 when not given), each at least 1.
+    pub fn batch_and_seq(&self) -> Result<(usize, usize)> {
+        let (batch, seq) = (self.batch.unwrap_or(2), self.seq.unwrap_or(64));
+        if batch == 0 || seq == 0 {
+            bail!("--batch and --seq must be at least 1");
+        }
+        Ok((batch, seq))
+    }
+
     /// The learning-rate schedule of a run of `steps` steps (--lr, --lr-schedule, --warmup).
     pub fn lr_schedule(&self, steps: usize) -> WarmupDecay {
         WarmupDecay::new(self.lr_schedule, self.lr, self.warmup, steps)
@@ -467,6 +492,7 @@ pub fn setup(args: &TrainArgs) -> Result<Setup> {
             "--save-dir and --resume use sharded FSDP checkpoints; use --world-size N (1 is fine) instead of --no-fsdp"
         );
     }
+    refuse_ignored_flags(args)?;
     if args.save_every == Some(0) {
         bail!("--save-every must be at least 1");
     }
@@ -490,38 +516,42 @@ pub fn setup(args: &TrainArgs) -> Result<Setup> {
     {
         bail!("--clip must be non-negative, got {c}");
     }
-    let (model, config) = match (&args.checkpoint, &resume) {
-        (Some(dir), _) => Qwen3::<Backend>::load(dir, &device)?,
+    // The model's config first: every check of the flags and the data runs before any weight
+    // is read or initialised (a 0.6B model takes a while).
+    let config = match (&args.checkpoint, &resume) {
+        (Some(dir), _) => Qwen3Config::from_file(dir.join("config.json"))?,
         // Resuming without --checkpoint: the model is the checkpoint's.
-        (None, Some((dir, index))) => {
-            let config: Qwen3Config =
-                serde_json::from_value(index.model_config.clone()).with_context(|| {
-                    format!("{}: model_config is not a Qwen3 config", dir.join("index.json").display())
-                })?;
-            (config.init::<Backend>(&device), config)
-        }
-        (None, None) => {
-            let config = Qwen3Config::preset(&args.preset).with_context(|| {
-                format!("--preset `{}` is unknown (tiny, 0.6b, 1.7b, 4b, 8b)", args.preset)
-            })?;
-            Backend::seed(&device, args.seed);
-            (config.init::<Backend>(&device), config)
-        }
+        (None, Some((dir, index))) => resume_config(dir, index)?,
+        (None, None) => preset_config(args)?,
     };
-    let model = model.to_hf_tensors();
+    // --checkpoint or --preset with --resume: the model they name must be the checkpoint's.
+    if let Some((dir, index)) = &resume
+        && (args.checkpoint.is_some() || args.preset.is_some())
+    {
+        let (flag, given) = match (&args.checkpoint, &args.preset) {
+            (Some(c), _) => (format!("--checkpoint {}", c.display()), config.clone()),
+            (None, p) => (format!("--preset {}", p.as_deref().unwrap_or("tiny")), preset_config(args)?),
+        };
+        let differ = config_differences(&given, &resume_config(dir, index)?);
+        if !differ.is_empty() {
+            bail!(
+                "{flag} is another model than the one saved in --resume {} (given vs saved: {}); \
+                 omit it to resume the checkpoint's model",
+                dir.display(),
+                differ.join(", ")
+            );
+        }
+    }
     let batches = match (&args.batches, &args.data) {
         (None, Some(path)) => {
-            let tok_path = args.tokenizer.clone().unwrap_or_else(crate::generate::default_tokenizer);
+            let tok_path = crate::tokenizer::resolve(args.tokenizer.as_deref(), args.checkpoint.as_deref())?;
             let tokenizer = qwen3_burn::tokenizer::Tokenizer::from_file(&tok_path)?;
             let docs = crate::data::text::read_documents(path)?;
             let eos = tokenizer.token_id("<|endoftext|>");
-            if args.batch == 0 || args.seq == 0 {
-                bail!("--batch and --seq must be at least 1");
-            }
+            let (batch, seq) = args.batch_and_seq()?;
             let what = format!("--data {}", path.display());
-            let steps = args.steps.unwrap_or(SYNTHETIC_STEPS);
-            let layout =
-                crate::data::text::Layout { seq: args.seq, steps, rows: world * args.batch, seed: args.seed };
+            let steps = args.steps.unwrap_or(DEFAULT_STEPS);
+            let layout = crate::data::text::Layout { seq, steps, rows: world * batch, seed: args.seed() };
             let b = crate::data::text::pack(&docs, &tokenizer, eos, layout, &what)?;
             if b.max_token() as usize >= config.vocab_size {
                 bail!(
@@ -548,15 +578,13 @@ pub fn setup(args: &TrainArgs) -> Result<Setup> {
             b
         }
         (None, None) => {
-            if args.batch == 0 || args.seq == 0 {
-                bail!("--batch and --seq must be at least 1");
-            }
+            let (batch, seq) = args.batch_and_seq()?;
             synthetic_batches(
-                args.steps.unwrap_or(20),
-                world * args.batch,
-                args.seq,
+                args.steps.unwrap_or(DEFAULT_STEPS),
+                world * batch,
+                seq,
                 config.vocab_size,
-                args.seed,
+                args.seed(),
             )
         }
     };
@@ -579,8 +607,8 @@ pub fn setup(args: &TrainArgs) -> Result<Setup> {
             batches.rows
         );
     }
-    if let Topology::DpTp { tp, .. } = topology {
-        check_tp(&config, tp)?;
+    if let Topology::DpTp { dp, tp } = topology {
+        check_tp(&config, dp, tp)?;
     }
     if !(batches.rows / world).is_multiple_of(args.grad_accum) {
         bail!(
@@ -589,20 +617,105 @@ pub fn setup(args: &TrainArgs) -> Result<Setup> {
             args.grad_accum
         );
     }
+    let model = match (&args.checkpoint, &resume) {
+        (Some(dir), _) => Qwen3::<Backend>::load_weights(&config, dir, &device)?,
+        // Resuming: the weights come from the checkpoint when training starts.
+        (None, Some(_)) => config.init::<Backend>(&device),
+        (None, None) => {
+            Backend::seed(&device, args.seed());
+            config.init::<Backend>(&device)
+        }
+    };
+    let model = model.to_hf_tensors();
     Ok(Setup { config, model, batches, steps, resume: resume.map(|(dir, _)| dir) })
 }
 
-/// Checks that Qwen3's heads and MLP width split across `tp` tensor-parallel ranks.
-pub fn check_tp(c: &Qwen3Config, tp: usize) -> Result<()> {
+/// Refuses flags that the chosen mode would ignore, naming them.
+fn refuse_ignored_flags(args: &TrainArgs) -> Result<()> {
+    let mut ignored: Vec<(&str, &str)> = Vec::new();
+    if args.batches.is_some() {
+        let why = "--batches fixes the rows and length of every step";
+        if args.batch.is_some() {
+            ignored.push(("--batch", why));
+        }
+        if args.seq.is_some() {
+            ignored.push(("--seq", why));
+        }
+        if args.seed.is_some() && (args.checkpoint.is_some() || args.resume.is_some()) {
+            ignored.push((
+                "--seed",
+                "the weights come from a checkpoint and the data from --batches: nothing is random",
+            ));
+        }
+    }
+    if args.no_fsdp {
+        let why = "it is an FSDP setting and --no-fsdp trains without FSDP";
+        if args.no_prefetch {
+            ignored.push(("--no-prefetch", why));
+        }
+        if args.reshard_after_forward.is_some() {
+            ignored.push(("--reshard-after-forward", why));
+        }
+    }
+    if args.launcher != Launcher::Mpi {
+        let why = "it is for --launcher mpi";
+        if args.mpirun.is_some() {
+            ignored.push(("--mpirun", why));
+        }
+        if !args.mpirun_args.is_empty() {
+            ignored.push(("--mpirun-arg", why));
+        }
+    }
+    match ignored.first() {
+        None => Ok(()),
+        Some((flag, why)) => bail!("{flag} would be ignored: {why}; leave it out"),
+    }
+}
+
+/// The model of a `--resume` checkpoint (its index's `model_config`).
+fn resume_config(dir: &Path, index: &CheckpointIndex) -> Result<Qwen3Config> {
+    serde_json::from_value(index.model_config.clone())
+        .with_context(|| format!("{}: model_config is not a Qwen3 config", dir.join(INDEX_FILE).display()))
+}
+
+/// The model of `--preset` (tiny when not given).
+fn preset_config(args: &TrainArgs) -> Result<Qwen3Config> {
+    let name = args.preset.as_deref().unwrap_or("tiny");
+    Qwen3Config::preset(name)
+        .with_context(|| format!("--preset `{name}` is unknown (tiny, 0.6b, 1.7b, 4b, 8b)"))
+}
+
+/// The fields in which two model configs differ, as `name given vs saved`.
+fn config_differences(given: &Qwen3Config, saved: &Qwen3Config) -> Vec<String> {
+    let (a, b) =
+        (serde_json::to_value(given).unwrap_or_default(), serde_json::to_value(saved).unwrap_or_default());
+    let (Some(a), Some(b)) = (a.as_object(), b.as_object()) else {
+        return vec!["the configs cannot be compared".to_owned()];
+    };
+    let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    keys.into_iter()
+        .filter(|k| a.get(*k) != b.get(*k))
+        .map(|k| {
+            let show = |v: Option<&serde_json::Value>| v.map_or("absent".to_owned(), |v| v.to_string());
+            format!("{k} {} vs {}", show(a.get(k)), show(b.get(k)))
+        })
+        .collect()
+}
+
+/// Checks that Qwen3's heads and MLP width split across the `tp` tensor-parallel ranks of
+/// `--mesh DPxTP`.
+pub fn check_tp(c: &Qwen3Config, dp: usize, tp: usize) -> Result<()> {
     let (h, kv, inter) = (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size);
     if !h.is_multiple_of(tp) || !kv.is_multiple_of(tp) {
         bail!(
-            "--mesh …x{tp}: the model has {h} query heads and {kv} key/value heads; tensor parallelism \
+            "--mesh {dp}x{tp}: the model has {h} query heads and {kv} key/value heads; tensor parallelism \
              needs both divisible by tp = {tp}"
         );
     }
     if !inter.is_multiple_of(tp) {
-        bail!("--mesh …x{tp}: the MLP width {inter} (intermediate_size) is not divisible by tp = {tp}");
+        bail!("--mesh {dp}x{tp}: the MLP width {inter} (intermediate_size) is not divisible by tp = {tp}");
     }
     Ok(())
 }
@@ -936,6 +1049,16 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
             }
         }
     };
+    // The policies that change the numbers or where state lives, named in the summary and plot.
+    let policies: Vec<&str> = [
+        (args.mixed_precision == Precision::Bf16).then_some("bf16 mixed precision"),
+        args.offload.then_some("CPU offload"),
+        (args.device != DeviceKind::Cpu).then_some(args.device.name()),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    let mode = if policies.is_empty() { mode } else { format!("{mode}, {}", policies.join(", ")) };
     if !args.quiet && is_main {
         println!(
             "train-qwen3: {params} params, {layers} layers, {mode}, {steps} steps of {} rows × {} tokens → {}",
@@ -1005,11 +1128,16 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
     let finite: Vec<(f64, f64)> =
         metrics.iter().filter(|m| m.loss.is_finite()).map(|m| (m.step as f64, m.loss)).collect();
     let has_plot = !finite.is_empty();
-    let mut series = vec![("this run", finite)];
+    let mut series = vec![("this run".to_owned(), finite)];
     if let Some(c) = &comparison {
         let first = metrics.first().map_or(0, |m| m.step);
         series.push((
-            "reference",
+            format!(
+                "reference: {}",
+                Path::new(&c.reference)
+                    .file_name()
+                    .map_or(c.reference.clone(), |n| n.to_string_lossy().into_owned())
+            ),
             c.losses.iter().enumerate().map(|(i, l)| ((first + i) as f64, *l)).collect(),
         ));
     }
@@ -1083,7 +1211,7 @@ fn print_comparison(first: &StepMetrics, last: &StepMetrics, c: &Comparison) {
 }
 
 /// Steps of the synthetic default run when `--steps` is not given.
-pub const SYNTHETIC_STEPS: usize = 50;
+pub const DEFAULT_STEPS: usize = 20;
 
 /// `--device metax-emu`: one emulated device per in-process rank (or device 0 for `--no-fsdp`);
 /// the flags must fit the emulated devices, and the emulator must be usable (a C++ compiler).
@@ -1330,7 +1458,7 @@ pub fn fsdp_config(args: &TrainArgs) -> FsdpConfig {
         },
     };
     FsdpConfig {
-        reshard_after_forward: args.reshard_after_forward,
+        reshard_after_forward: args.reshard_after_forward.unwrap_or(true),
         mp_policy,
         offload: OffloadPolicy { enabled: args.offload },
         prefetch: !args.no_prefetch,
@@ -1341,11 +1469,39 @@ pub fn fsdp_config(args: &TrainArgs) -> FsdpConfig {
 /// One FSDP rank's training loop (any process groups: in-process threads or MPI processes).
 /// Data rank `d` trains on rows `d·rows/data_world ..` of every step; rank 0 emits the
 /// metrics and records the collectives of the last step.
+///
+/// A collective that fails inside forward or backward (a peer died, timed out or failed)
+/// unwinds with a [`burn_fsdp::CollectiveFailure`]; it comes back here as an error naming
+/// the step, e.g. `step 7: FSDP unit `model.layers.0`: all_gather … aborted: rank 2 failed: …`.
 pub fn fsdp_rank<B: burn::tensor::backend::Backend>(
     args: &TrainArgs,
     setup: &Setup,
     groups: RankGroups<B>,
     sink: &MetricsSink,
+) -> Result<Vec<StepMetrics>> {
+    use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+    burn_fsdp::comm::quiet_collective_panics();
+    let at = std::cell::Cell::new(None);
+    match catch_unwind(AssertUnwindSafe(|| fsdp_rank_steps(args, setup, groups, sink, &at))) {
+        Ok(r) => r,
+        Err(p) if p.is::<burn_fsdp::CollectiveFailure>() => {
+            let what = burn_fsdp::comm::panic_message(p.as_ref());
+            Err(match at.get() {
+                Some(step) => anyhow::anyhow!("step {step}: {what}"),
+                None => anyhow::anyhow!("setting up: {what}"),
+            })
+        }
+        Err(p) => resume_unwind(p),
+    }
+}
+
+/// [`fsdp_rank`]'s body; `at` is the step under way.
+fn fsdp_rank_steps<B: burn::tensor::backend::Backend>(
+    args: &TrainArgs,
+    setup: &Setup,
+    groups: RankGroups<B>,
+    sink: &MetricsSink,
+    at: &std::cell::Cell<Option<usize>>,
 ) -> Result<Vec<StepMetrics>> {
     type Ad<B> = FsdpTrainBackend<B>;
     let RankGroups { topology, rank, outer, inner, gate, device } = groups;
@@ -1378,6 +1534,7 @@ pub fn fsdp_rank<B: burn::tensor::backend::Backend>(
     let schedule = args.lr_schedule(steps);
     let mut out = Vec::with_capacity(steps);
     for step in first_step..steps {
+        at.set(Some(step));
         let start = Instant::now();
         let lr = schedule.lr_at(step);
         optim.set_lr(lr);

@@ -100,10 +100,10 @@ fn ranks_started_with_another_world_size_or_config_are_refused() {
         assert!(!o.status.success(), "{t}");
         assert!(t.contains("WORLD_SIZE=3") && t.contains("WORLD_SIZE=2"), "{t}");
     }
-    // Rank 1 runs with another seed: the digest check refuses it before training.
+    // Rank 1 clips gradients: the digest check refuses it before training, naming the flag.
     let port = free_port().to_string();
     let mut other = base.clone();
-    other.extend(["--seed".to_owned(), "7".to_owned()]);
+    other.extend(["--clip".to_owned(), "1.0".to_owned()]);
     let start = Instant::now();
     let r0 =
         start_rank(&[("RANK", "0".into()), ("WORLD_SIZE", "2".into()), ("MASTER_PORT", port.clone())], &base);
@@ -113,6 +113,7 @@ fn ranks_started_with_another_world_size_or_config_are_refused() {
         let t = text(&o);
         assert!(!o.status.success(), "{t}");
         assert!(t.contains("rank 1 was started with different flags"), "{t}");
+        assert!(t.contains("than rank 0, in: --clip;"), "only --clip differs: {t}");
     }
     assert!(start.elapsed() < Duration::from_secs(20), "took {:?}", start.elapsed());
     assert!(std::fs::read_to_string(out.join("metrics.jsonl")).unwrap_or_default().is_empty());
@@ -136,6 +137,16 @@ fn killing_one_rank_mid_run_ends_the_job_with_an_error_and_no_orphans() {
         "the survivors should name the dead rank: {}",
         k.text
     );
+    assert!(k.text.contains("the job failed: rank 2 was killed by signal 9 first"), "{}", k.text);
+    // Each survivor: one clean line naming the step and the lost rank; no panic, no backtrace.
+    for r in [0, 1, 3] {
+        let line =
+            k.text.lines().find(|l| l.starts_with(&format!("error: rank {r}: step "))).unwrap_or_else(|| {
+                panic!("no error line of rank {r}: {}", k.text);
+            });
+        assert!(line.contains("rank 2 lost its connection"), "{line}");
+    }
+    assert!(!k.text.contains("panicked") && !k.text.contains("backtrace"), "{}", k.text);
     println!("job ended {:?} after the kill", k.after_kill);
     assert!(k.after_kill < Duration::from_secs(20), "not within the collective timeout");
     assert!(k.orphans.is_empty(), "orphaned rank processes: {:?}", k.orphans);

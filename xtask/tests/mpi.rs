@@ -127,7 +127,9 @@ fn a_rank_with_another_model_config_is_refused_at_start_up() {
     let t = text(&o);
     assert!(!o.status.success(), "{t}");
     assert!(
-        t.contains("rank 1 was started with different flags, model config, weights and data than rank 0"),
+        t.contains(
+            "rank 1 was started with different flags, model config, weights or data than rank 0, in: --lr;"
+        ),
         "{t}"
     );
     assert!(

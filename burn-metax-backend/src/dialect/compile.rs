@@ -13,13 +13,12 @@ pub const MACA_WARP_SIZE: u32 = 64;
 #[derive(Debug, thiserror::Error)]
 pub enum MacaCompileError {
     /// cubecl-cpp rejected the kernel (validation errors recorded while it was expanded).
-    #[error("cubecl-cpp could not compile kernel `{kernel}`: {source}")]
+    #[error("cubecl-cpp could not compile kernel `{kernel}`: {error}")]
     Compilation {
         /// The kernel name.
         kernel: String,
-        /// The compiler's error.
-        #[source]
-        source: Box<CompilationError>,
+        /// The compiler's error (in the message, not repeated as a `source`).
+        error: Box<CompilationError>,
     },
     /// The options asked for a plane size other than the MACA wave size.
     #[error("the MACA dialect is written for {MACA_WARP_SIZE}-lane waves, options ask for {0}")]
@@ -68,6 +67,6 @@ pub fn compile_kernel_source(
     let mut compiler = CppCompiler::<MacaDialect>::default();
     let compiled = compiler
         .compile(kernel, options, mode, address_type.unsigned_type())
-        .map_err(|source| MacaCompileError::Compilation { kernel: name, source: Box::new(source) })?;
+        .map_err(|error| MacaCompileError::Compilation { kernel: name, error: Box::new(error) })?;
     Ok(compiled.to_string())
 }
