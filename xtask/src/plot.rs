@@ -103,6 +103,8 @@ pub fn loss_png(path: &Path, title: &str, series: &[(String, Vec<(f64, f64)>)]) 
     if labeled {
         chart
             .configure_series_labels()
+            // Losses fall: the upper right is where the curves are not.
+            .position(SeriesLabelPosition::UpperRight)
             .background_style(WHITE.mix(0.8))
             .border_style(BLACK)
             .draw()
