@@ -535,7 +535,8 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
 
     /// [`forward`](Self::forward), returning [`FsdpError::UnitNotRun`] instead of panicking
     /// when `f` panics before every unit with sharded parameters went through the runner.
-    /// Other panics of `f` propagate unchanged.
+    /// Other panics of `f` propagate unchanged, among them a failed collective's
+    /// [`CollectiveFailure`](crate::CollectiveFailure).
     pub fn try_forward<O>(&self, f: impl FnOnce(&M, &mut FsdpRunner<'_, B, M>) -> O) -> Result<O, FsdpError> {
         if let Some(p) = &self.prefetch
             && !self.bypass()
@@ -557,7 +558,9 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
             .filter(|&u| !runner.ran[u] && !self.units[u].params.is_empty() && !self.bypass())
             .map(|u| format!("`{}`", self.units[u].name))
             .collect();
-        if not_run.is_empty() {
+        // A collective that failed (a peer died or timed out) is not a unit left unrun: it
+        // unwinds on to the rank's driver as the error it is.
+        if not_run.is_empty() || payload.is::<crate::comm::CollectiveFailure>() {
             std::panic::resume_unwind(payload);
         }
         let cause = crate::comm::panic_message(payload.as_ref());
