@@ -14,6 +14,7 @@ use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 
 use crate::collectives::UnitComm;
 use crate::comm::{CommError, CommStats, ProcessGroup, ReduceOp, Tag};
+use crate::init::{InitError, ShardInit};
 use crate::mesh::DeviceMesh;
 use crate::offload::{HostStore, OffloadPolicy};
 use crate::op::FsdpBackend;
@@ -130,6 +131,14 @@ pub enum FsdpError {
         /// The panic message of the forward.
         cause: String,
     },
+    /// A [`ShardInit`] could not give a parameter's rows ([`Fsdp::wrap_deferred`]).
+    #[error("deferred initialisation of `{path}`: {error}")]
+    Init {
+        /// The parameter's module path.
+        path: String,
+        /// What the initialiser said.
+        error: InitError,
+    },
 }
 
 /// Tracks the dotted module path (`model.layers.0.mlp.up_proj.weight`) while a
@@ -155,17 +164,24 @@ impl PathStack {
 
 /// `(id, path, shape)` of every float parameter, in visiting order, each id once.
 pub(crate) fn describe_params<B: Backend, M: Module<B>>(module: &M) -> Vec<(ParamId, String, Vec<usize>)> {
-    describe_float_tensors::<B, M>(module).into_iter().map(|(id, path, shape, _)| (id, path, shape)).collect()
+    describe_float_tensors::<B, M>(module, None)
+        .into_iter()
+        .map(|(id, path, shape, _)| (id, path, shape))
+        .collect()
 }
 
 /// `(id, path, shape, requires_grad)` of every float tensor a module visits — trainable
 /// parameters, frozen parameters and buffers (`RunningState`, which Burn visits as float
 /// parameters that do not require grad) — in visiting order, each id once.
+///
+/// Lazy parameters that `deferred` provides are described from their lazy shape, as trainable,
+/// without running their initialisers; every other tensor is read (lazy ones initialised).
 pub(crate) fn describe_float_tensors<B: Backend, M: Module<B>>(
     module: &M,
+    deferred: Option<&dyn ShardInit>,
 ) -> Vec<(ParamId, String, Vec<usize>, bool)> {
-    struct Describe(PathStack, Vec<(ParamId, String, Vec<usize>, bool)>);
-    impl<B: Backend> ModuleVisitor<B> for Describe {
+    struct Describe<'a>(PathStack, Vec<(ParamId, String, Vec<usize>, bool)>, Option<&'a dyn ShardInit>);
+    impl<B: Backend> ModuleVisitor<B> for Describe<'_> {
         fn enter_module(&mut self, name: &str, _: &str) {
             self.0.push(name);
         }
@@ -174,14 +190,34 @@ pub(crate) fn describe_float_tensors<B: Backend, M: Module<B>>(
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             if !self.1.iter().any(|(id, ..)| *id == param.id) {
+                let path = self.0.current();
+                if let Some(shape) = deferred_shape(self.2, &path, param) {
+                    self.1.push((param.id, path, shape, true));
+                    return;
+                }
                 let value = param.val();
-                self.1.push((param.id, self.0.current(), value.dims().to_vec(), value.is_require_grad()));
+                self.1.push((param.id, path, value.dims().to_vec(), value.is_require_grad()));
             }
         }
     }
-    let mut d = Describe(PathStack::default(), Vec::new());
+    let mut d = Describe(PathStack::default(), Vec::new(), deferred);
     module.visit(&mut d);
     d.1
+}
+
+/// The full shape of `param` when it is still lazy and `deferred` provides it (so it must not
+/// be read: its shards come from `deferred`).
+pub(crate) fn deferred_shape<B: Backend, const D: usize>(
+    deferred: Option<&dyn ShardInit>,
+    path: &str,
+    param: &Param<Tensor<B, D>>,
+) -> Option<Vec<usize>> {
+    let init = deferred?;
+    if param.is_initialized() {
+        return None;
+    }
+    let shape = param.lazy_shape().to_vec();
+    init.provides(path, &shape).then_some(shape)
 }
 
 /// Makes every occurrence of a parameter id hold the tensor of its first occurrence.
@@ -315,6 +351,82 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     /// by `clone`, per-rank seeds — still start identical. Parameters that do not require grad
     /// (buffers, frozen weights) are not sharded (see [`Fsdp::replicated_tensors`]).
     pub fn wrap(model: M, mesh: &DeviceMesh<B::InnerBackend>, config: FsdpConfig) -> Result<Self, FsdpError> {
+        Self::wrap_inner(model, mesh, config, None)
+    }
+
+    /// [`wrap`](Self::wrap) for a model whose parameters do not exist yet: each rank creates
+    /// only its own shards (PyTorch FSDP2's meta-device initialisation; see [`crate::init`]).
+    ///
+    /// `model` is built with lazy parameters ([`Param::uninitialized`], as Burn's own
+    /// `XConfig::init` does), which allocate nothing. For every lazy parameter that `init`
+    /// [provides](ShardInit::provides), this rank's rows are asked of `init` and its own
+    /// initialiser never runs; no full copy of such a parameter is ever made (nor broadcast:
+    /// `init` must give every rank the same tensor, which a checkpoint reader or
+    /// [`seeded_normal`](crate::init::seeded_normal) does). Other tensors are handled as by
+    /// [`wrap`](Self::wrap). A lazy parameter's load/save mappers ([`Param::load_mapper`]) are
+    /// not kept: add them after wrapping if needed.
+    ///
+    /// # Example
+    ///
+    /// ```
+    /// use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
+    /// use burn::backend::{Autodiff, NdArray};
+    /// use burn::module::{Module, Param, ParamId};
+    /// use burn::tensor::{Shape, Tensor};
+    /// use burn_fsdp::init::{InitError, ShardInit, seeded_normal};
+    /// use burn_fsdp::{DeviceMesh, Fsdp, FsdpConfig, launch};
+    ///
+    /// type B = Autodiff<NdArray, BalancedCheckpointing>;
+    ///
+    /// #[derive(Module, Debug)]
+    /// struct Net<B: burn::tensor::backend::Backend> {
+    ///     w: Param<Tensor<B, 2>>,
+    /// }
+    ///
+    /// struct Init;
+    /// impl ShardInit for Init {
+    ///     fn provides(&self, _: &str, _: &[usize]) -> bool {
+    ///         true
+    ///     }
+    ///     fn rows(&self, path: &str, shape: &[usize], rows: std::ops::Range<usize>) -> Result<Vec<f32>, InitError> {
+    ///         Ok(seeded_normal(0, path, rows.start * shape[1]..rows.end * shape[1], 0.0, 1.0))
+    ///     }
+    /// }
+    ///
+    /// let shards = launch(2, std::time::Duration::from_secs(30), |group| {
+    ///     let device = Default::default();
+    ///     // A lazy parameter: its initialiser would allocate the whole [1000, 1000] tensor.
+    ///     let w = Param::uninitialized(
+    ///         ParamId::new(),
+    ///         |d, _| Tensor::<B, 2>::zeros([1000, 1000], d).require_grad(),
+    ///         device,
+    ///         true,
+    ///         Shape::new([1000, 1000]),
+    ///     );
+    ///     let mesh = DeviceMesh::new_1d(group.clone(), device);
+    ///     let fsdp = Fsdp::wrap_deferred(Net { w }, &mesh, FsdpConfig::default(), &Init)?;
+    ///     Ok::<_, burn_fsdp::FsdpError>(fsdp.module().w.val().into_data().to_vec::<f32>().unwrap())
+    /// })
+    /// .unwrap();
+    /// // Each rank holds its 500 rows, and together they are the seeded tensor.
+    /// assert_eq!(shards[0].len(), 500 * 1000);
+    /// assert_eq!([&shards[0][..], &shards[1][..]].concat(), seeded_normal(0, "w", 0..1_000_000, 0.0, 1.0));
+    /// ```
+    pub fn wrap_deferred(
+        model: M,
+        mesh: &DeviceMesh<B::InnerBackend>,
+        config: FsdpConfig,
+        init: &dyn ShardInit,
+    ) -> Result<Self, FsdpError> {
+        Self::wrap_inner(model, mesh, config, Some(init))
+    }
+
+    fn wrap_inner(
+        model: M,
+        mesh: &DeviceMesh<B::InnerBackend>,
+        config: FsdpConfig,
+        deferred: Option<&dyn ShardInit>,
+    ) -> Result<Self, FsdpError> {
         // 1D mesh: FSDP over it. 2D mesh: HSDP, `(replicate, shard)`: parameters are sharded
         // over the inner dimension and replicated over the outer one.
         if mesh.ndim() == 0 || mesh.ndim() > 2 {
@@ -352,13 +464,14 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         let model = {
             let mut groups = vec![&group];
             groups.extend(replicate.as_ref());
-            crate::replicas::from_rank0::<B, M>(model, &groups)?
+            crate::replicas::from_rank0::<B, M>(model, &groups, deferred)?
         };
         // FSDP2 shards parameters, never buffers: tensors that do not require grad (Burn's
         // `RunningState` buffers such as BatchNorm's running statistics, and frozen parameters)
         // stay whole and replicated on every rank, outside every collective.
-        let (described, replicated): (Vec<_>, Vec<_>) =
-            describe_float_tensors::<B, M>(&model).into_iter().partition(|(.., trainable)| *trainable);
+        let (described, replicated): (Vec<_>, Vec<_>) = describe_float_tensors::<B, M>(&model, deferred)
+            .into_iter()
+            .partition(|(.., trainable)| *trainable);
         if described.is_empty() {
             return Err(FsdpError::Config(if replicated.is_empty() {
                 "the model has no float parameters to shard".into()
@@ -435,9 +548,15 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
             param_unit: &param_unit,
             rank,
             host: host.as_deref(),
+            deferred,
+            error: None,
             _b: Default::default(),
         };
-        let module = retie::<B, M>(model.map(&mut sharder));
+        let model = model.map(&mut sharder);
+        if let Some(e) = sharder.error {
+            return Err(e);
+        }
+        let module = retie::<B, M>(model);
         Ok(Self {
             module,
             units,
@@ -1065,30 +1184,86 @@ struct Sharder<'a, B: FsdpBackend> {
     rank: usize,
     /// With offload, shards go here and the module keeps zero-row placeholders.
     host: Option<&'a HostStore>,
+    /// Where the shards of lazy parameters come from ([`Fsdp::wrap_deferred`]).
+    deferred: Option<&'a dyn ShardInit>,
+    /// The first failure of `deferred`; later parameters are left as they are.
+    error: Option<FsdpError>,
     _b: std::marker::PhantomData<B>,
+}
+
+impl<B: FsdpBackend> Sharder<'_, B> {
+    /// This rank's padded shard of the lazy parameter `p`, from `init`, never building the
+    /// full tensor.
+    fn deferred_shard<const D: usize>(
+        &self,
+        init: &dyn ShardInit,
+        p: &ShardedParam,
+        device: &B::Device,
+    ) -> Result<Tensor<B::InnerBackend, D>, FsdpError> {
+        let rows = p.rows_of(self.rank);
+        let have = rows.len() * p.row_numel();
+        let mut values = init
+            .rows(&p.path, &p.global_shape, rows)
+            .map_err(|error| FsdpError::Init { path: p.path.clone(), error })?;
+        if values.len() != have {
+            return Err(FsdpError::Init {
+                path: p.path.clone(),
+                error: format!(
+                    "the initialiser gave {} values for rows {:?} of shape {:?}, expected {have}",
+                    values.len(),
+                    p.rows_of(self.rank),
+                    p.global_shape
+                )
+                .into(),
+            });
+        }
+        values.resize(p.shard_numel(), 0.0);
+        let data = burn::tensor::TensorData::new(values, p.shard_shape());
+        Ok(Tensor::from_data(data, device))
+    }
 }
 
 impl<B: FsdpBackend> ModuleMapper<B> for Sharder<'_, B> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let (id, tensor, mapper) = param.consume();
-        let Some(&u) = self.param_unit.get(&id) else {
-            return Param::from_mapped_value(id, tensor, mapper);
+        let Some(&u) = self.param_unit.get(&param.id) else {
+            return param;
         };
-        let unit = &self.units[u];
-        let Some(i) = unit.index_of(id) else {
-            return Param::from_mapped_value(id, tensor, mapper);
+        let units = self.units;
+        let unit = &units[u];
+        let Some(i) = unit.index_of(param.id) else {
+            return param;
         };
-        let require_grad = tensor.is_require_grad();
-        let device = tensor.device();
-        // Copy the data out so the shard is a fresh leaf sharing nothing with `tensor`'s graph.
-        let shard = unit.params[i].shard_of(tensor.inner(), self.rank);
+        let p = &unit.params[i];
+        let lazy = deferred_shape(self.deferred, &p.path, &param).is_some();
+        let (id, device) = (param.id, param.lazy_device());
+        let (shard, require_grad, mapper) = match (lazy, self.deferred) {
+            (true, Some(init)) => {
+                if self.error.is_some() {
+                    return param;
+                }
+                match self.deferred_shard::<D>(init, p, &device) {
+                    // The lazy parameter is dropped unread: its initialiser never runs.
+                    Ok(shard) => (shard, true, Default::default()),
+                    Err(e) => {
+                        self.error = Some(e);
+                        return param;
+                    }
+                }
+            }
+            _ => {
+                let (_, tensor, mapper) = param.consume();
+                let require_grad = tensor.is_require_grad();
+                // Copy the data out so the shard is a fresh leaf sharing nothing with `tensor`'s graph.
+                (p.shard_of(tensor.inner(), self.rank), require_grad, mapper)
+            }
+        };
         let mut t = match self.host {
             Some(host) => {
                 let n = shard.shape().num_elements();
                 let values =
                     shard.reshape([n]).into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default();
                 host.insert(id, values);
-                let mut empty = unit.params[i].shard_shape();
+                let mut empty = p.shard_shape();
                 empty[0] = 0;
                 Tensor::<B, D>::zeros(burn::tensor::Shape::from(empty), &device)
             }

@@ -52,17 +52,46 @@ pub fn io_err(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> IoErro
     move |error| IoError::Io { path, error }
 }
 
-/// A safetensors file read into memory.
+/// A safetensors file, memory-mapped: opening it reads only the header, and a tensor's bytes
+/// (or some rows of them, [`read_rows_f32`](Self::read_rows_f32)) are read when asked for, so a
+/// rank loading its shards of a large checkpoint touches only its own rows.
 pub struct SafetensorsFile {
     path: PathBuf,
-    bytes: Vec<u8>,
+    bytes: FileBytes,
+}
+
+/// The bytes of a file: mapped, or (for an empty file, which cannot be mapped) none.
+enum FileBytes {
+    Mapped(memmap2::Mmap),
+    Empty,
+}
+
+impl std::ops::Deref for FileBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            FileBytes::Mapped(m) => m,
+            FileBytes::Empty => &[],
+        }
+    }
 }
 
 impl SafetensorsFile {
-    /// Reads and checks the header of `path`; a truncated or malformed file is an error.
+    /// Maps `path` and checks its header; a truncated or malformed file is an error.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, IoError> {
         let path = path.as_ref().to_path_buf();
-        let bytes = std::fs::read(&path).map_err(io_err(&path))?;
+        let file = std::fs::File::open(&path).map_err(io_err(&path))?;
+        let len = file.metadata().map_err(io_err(&path))?.len();
+        let bytes = if len == 0 {
+            FileBytes::Empty
+        } else {
+            // SAFETY: the map is read-only and private to this value. Its invariant — the file
+            // is not truncated or rewritten in place while mapped — holds for every file this
+            // project reads: checkpoints are only ever replaced by atomic rename (a new inode),
+            // never modified in place. A file truncated by someone else under us would raise
+            // SIGBUS on access, as with any memory-mapped reader (safetensors' own loaders).
+            FileBytes::Mapped(unsafe { memmap2::Mmap::map(&file) }.map_err(io_err(&path))?)
+        };
         let file = Self { path, bytes };
         file.parse()?;
         Ok(file)
@@ -71,6 +100,11 @@ impl SafetensorsFile {
     /// The file's path.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// XXH3-64 of the whole file (header and data).
+    pub fn digest(&self) -> u64 {
+        xxhash_rust::xxh3::xxh3_64(&self.bytes)
     }
 
     fn parse(&self) -> Result<SafeTensors<'_>, IoError> {
@@ -98,8 +132,52 @@ impl SafetensorsFile {
     pub fn read_f32(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>), IoError> {
         let st = self.parse()?;
         let view = st.tensor(name).map_err(|_| self.missing(name))?;
-        let data = view.data();
-        let values = match view.dtype() {
+        let values = self.to_f32(name, view.dtype(), view.data())?;
+        Ok((values, view.shape().to_vec()))
+    }
+
+    /// Rows `rows` of dim 0 of tensor `name`, converted to `f32` like
+    /// [`read_f32`](Self::read_f32), with the tensor's full shape. Only those rows' bytes are
+    /// read from the file. Rows past the end are an error naming the tensor.
+    ///
+    /// ```
+    /// # let dir = std::env::temp_dir().join(format!("burn-fsdp-io-doc-{}", std::process::id()));
+    /// # std::fs::create_dir_all(&dir).unwrap();
+    /// use burn_fsdp::io::{SafetensorsFile, TensorOut, write_safetensors};
+    ///
+    /// let path = dir.join("w.safetensors");
+    /// let w = TensorOut::F32(vec![3, 2], vec![0., 1., 2., 3., 4., 5.]);
+    /// write_safetensors(&path, vec![("w".into(), w)], None).unwrap();
+    /// let file = SafetensorsFile::open(&path).unwrap();
+    /// assert_eq!(file.read_rows_f32("w", 1..3).unwrap(), (vec![2., 3., 4., 5.], vec![3, 2]));
+    /// # std::fs::remove_dir_all(&dir).unwrap();
+    /// ```
+    pub fn read_rows_f32(
+        &self,
+        name: &str,
+        rows: std::ops::Range<usize>,
+    ) -> Result<(Vec<f32>, Vec<usize>), IoError> {
+        let st = self.parse()?;
+        let view = st.tensor(name).map_err(|_| self.missing(name))?;
+        let shape = view.shape().to_vec();
+        let d0 = shape.first().copied().unwrap_or(1);
+        if rows.start > rows.end || rows.end > d0 {
+            return Err(IoError::Format {
+                path: self.path.clone(),
+                msg: format!(
+                    "tensor `{name}` has {d0} rows, rows {}..{} were asked for",
+                    rows.start, rows.end
+                ),
+            });
+        }
+        let row_bytes = view.data().len() / d0.max(1);
+        let data = &view.data()[rows.start * row_bytes..rows.end * row_bytes];
+        let values = self.to_f32(name, view.dtype(), data)?;
+        Ok((values, shape))
+    }
+
+    fn to_f32(&self, name: &str, dtype: Dtype, data: &[u8]) -> Result<Vec<f32>, IoError> {
+        let values = match dtype {
             Dtype::F32 => {
                 data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
             }
@@ -121,7 +199,7 @@ impl SafetensorsFile {
                 });
             }
         };
-        Ok((values, view.shape().to_vec()))
+        Ok(values)
     }
 
     /// Tensor `name` as `i64` (from i64, i32, u32, u16 or u8), with its shape.

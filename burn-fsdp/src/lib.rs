@@ -3,6 +3,9 @@
 //! - [`Fsdp::wrap`] shards every parameter of any Burn module on dim 0 across the ranks of a
 //!   [`DeviceMesh`], grouped into units (by default one per element of a `Vec` of modules,
 //!   e.g. per decoder layer, plus the root unit).
+//! - [`Fsdp::wrap_deferred`] does the same for a model built with lazy parameters: each rank
+//!   creates only its own shards from a [`init::ShardInit`] (a seed, a checkpoint's rows), so
+//!   no rank ever holds a full copy of the model.
 //! - [`Fsdp::forward`] all-gathers each unit just before it runs (through the model's
 //!   [`UnitRunner`] hook); the gather is a differentiable op whose backward reduce-scatters
 //!   the gradient ([`op`]).
@@ -12,7 +15,8 @@
 //!
 //! Module layout follows PyTorch's `_fully_shard/`: one concept per file — [`param`] (the
 //! sharded parameter), [`unit`] (the parameter group), [`collectives`], [`op`] (the autodiff
-//! hooks), `replicas` (rank 0's values broadcast at wrap), [`fsdp`] (the public API).
+//! hooks), `replicas` (rank 0's values broadcast at wrap), [`init`] (deferred, per-shard
+//! initialisation: [`Fsdp::wrap_deferred`]), [`fsdp`] (the public API).
 #![warn(missing_docs)]
 
 pub mod checkpoint;
@@ -20,6 +24,7 @@ pub mod collectives;
 pub mod comm;
 pub mod fsdp;
 pub mod host;
+pub mod init;
 pub mod io;
 pub mod local;
 pub mod mesh;

@@ -16,20 +16,25 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
 use crate::comm::{CommError, ProcessGroup, Tag};
-use crate::fsdp::PathStack;
+use crate::fsdp::{PathStack, deferred_shape};
+use crate::init::ShardInit;
 
 /// `model` with every float tensor replaced by rank 0's value over each of `groups`, in order.
 /// Ranks whose models differ in structure get a collective mismatch or timeout error, naming
 /// the tensor path, instead of wrong results.
+///
+/// Lazy parameters that `deferred` provides are left untouched (and unread): every rank
+/// produces its own rows of them from the same deterministic source.
 pub(crate) fn from_rank0<B: AutodiffBackend, M: Module<B>>(
     model: M,
     groups: &[&Arc<dyn ProcessGroup<B::InnerBackend>>],
+    deferred: Option<&dyn ShardInit>,
 ) -> Result<M, CommError> {
     let groups: Vec<_> = groups.iter().copied().filter(|g| g.size() > 1).collect();
     if groups.is_empty() {
         return Ok(model);
     }
-    let mut mapper = FromRank0 { groups, path: PathStack::default(), count: 0, error: None };
+    let mut mapper = FromRank0 { groups, path: PathStack::default(), count: 0, error: None, deferred };
     let model = model.map(&mut mapper);
     match mapper.error {
         Some(e) => Err(e),
@@ -43,6 +48,7 @@ struct FromRank0<'a, I: Backend> {
     count: usize,
     /// The first failure; later tensors are left as they are.
     error: Option<CommError>,
+    deferred: Option<&'a dyn ShardInit>,
 }
 
 impl<B: AutodiffBackend> ModuleMapper<B> for FromRank0<'_, B::InnerBackend> {
@@ -55,6 +61,9 @@ impl<B: AutodiffBackend> ModuleMapper<B> for FromRank0<'_, B::InnerBackend> {
     }
 
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        if deferred_shape(self.deferred, &self.path.current(), &param).is_some() {
+            return param;
+        }
         let (id, tensor, mapper) = param.consume();
         if self.error.is_some() {
             return Param::from_mapped_value(id, tensor, mapper);

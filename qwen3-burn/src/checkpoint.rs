@@ -13,12 +13,14 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use burn_fsdp::PathStack;
+use burn_fsdp::init::{InitError, ShardInit};
 pub use burn_fsdp::io::{SafetensorsFile, TensorOut, write_atomic, write_safetensors};
 #[cfg(test)]
 use safetensors::Dtype;
 
 use crate::config::Qwen3Config;
 use crate::error::{Qwen3Error, Result, io_err};
+use crate::init::Qwen3Init;
 use crate::model::Qwen3;
 
 /// Name of the HF weights file.
@@ -125,6 +127,44 @@ impl HfWeights {
     pub fn read_f32(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)> {
         Ok(self.file_of(name)?.read_f32(name)?)
     }
+
+    /// A digest of every file's bytes, in order: equal for byte-identical checkpoints.
+    pub fn digest(&self) -> u64 {
+        self.files
+            .iter()
+            .fold(0xCBF2_9CE4_8422_2325, |h, f| (h ^ f.digest()).wrapping_mul(0x0000_0100_0000_01B3))
+    }
+}
+
+/// The rows of a checkpoint, for [`Fsdp::wrap_deferred`](burn_fsdp::Fsdp::wrap_deferred):
+/// each rank reads only its own rows of each tensor from the memory-mapped files (bf16/f16/f64
+/// converted to f32 row by row). Every parameter is provided, so a tensor missing from the
+/// checkpoint is an error naming it (check the whole checkpoint first with
+/// [`Qwen3::check_weights`]).
+impl ShardInit for HfWeights {
+    fn provides(&self, _path: &str, _shape: &[usize]) -> bool {
+        true
+    }
+
+    fn rows(
+        &self,
+        path: &str,
+        shape: &[usize],
+        rows: std::ops::Range<usize>,
+    ) -> std::result::Result<Vec<f32>, InitError> {
+        let file = self.file_of(path)?;
+        let (got, _) = file.info(path)?;
+        if got != shape {
+            let path_buf = file.path().to_path_buf();
+            return Err(Box::new(Qwen3Error::Shape {
+                path: path_buf,
+                name: path.to_owned(),
+                expected: shape.to_vec(),
+                got,
+            }));
+        }
+        Ok(file.read_rows_f32(path, rows)?.0)
+    }
 }
 
 /// Where the loader reads tensors from: checkpoint files, or tensors already in memory.
@@ -191,8 +231,17 @@ impl<B: Backend, S: TensorSource + ?Sized> ModuleMapper<B> for Loader<'_, S> {
         if self.error.is_some() {
             return param;
         }
-        let (id, tensor, mapper) = param.consume();
-        let expected = tensor.dims().to_vec();
+        // A lazy parameter (the skeleton of `from_weights`) is replaced unread: its random
+        // initialiser never runs.
+        let lazy = !param.is_initialized();
+        let (expected, device) = (param.lazy_shape().to_vec(), param.lazy_device());
+        let (id, tensor, mapper, require_grad) = if lazy {
+            (param.id, None, Default::default(), true)
+        } else {
+            let (id, tensor, mapper) = param.consume();
+            let require_grad = tensor.is_require_grad();
+            (id, Some(tensor), mapper, require_grad)
+        };
         let loaded = self.weights.read(&name).and_then(|(values, shape)| {
             if shape != expected {
                 let path = self.weights.origin_of(&name);
@@ -208,13 +257,14 @@ impl<B: Backend, S: TensorSource + ?Sized> ModuleMapper<B> for Loader<'_, S> {
         match loaded {
             Ok(values) => {
                 self.used.push(name);
-                let t = Tensor::from_data(TensorData::new(values, expected), &tensor.device());
-                let t = if tensor.is_require_grad() { t.require_grad() } else { t };
+                let t = Tensor::from_data(TensorData::new(values, expected), &device);
+                let t = if require_grad { t.require_grad() } else { t };
                 Param::from_mapped_value(id, t, mapper)
             }
             Err(e) => {
                 self.error = Some(e);
-                Param::from_mapped_value(id, tensor, mapper)
+                let t = tensor.unwrap_or_else(|| Tensor::zeros(expected, &device));
+                Param::from_mapped_value(id, t, mapper)
             }
         }
     }
@@ -241,6 +291,41 @@ impl<B: Backend> ModuleVisitor<B> for Collector {
         let values = t.into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default();
         self.out.push((self.path.current(), TensorOut::F32(shape, values)));
     }
+}
+
+/// Refuses tensors of `weights` that no parameter (`used`) took.
+fn refuse_unknown<S: TensorSource + ?Sized>(
+    config: &Qwen3Config,
+    weights: &S,
+    used: &[String],
+) -> Result<()> {
+    let used: std::collections::HashSet<&str> = used.iter().map(String::as_str).collect();
+    let mut unknown: Vec<String> = weights
+        .tensor_names()
+        .into_iter()
+        .filter(|n| !used.contains(n.as_str()))
+        // A tied checkpoint may still carry a copy of the head; HF ignores it too.
+        .filter(|n| !(config.tie_word_embeddings && n == "lm_head.weight"))
+        .collect();
+    if unknown.is_empty() {
+        return Ok(());
+    }
+    unknown.sort();
+    let path = weights.origin_of(&unknown[0]);
+    Err(Qwen3Error::UnknownTensors { path, names: unknown })
+}
+
+/// Shapes of all parameters of a module, in visiting order, without initialising lazy ones.
+fn parameter_shapes<B: Backend, M: Module<B>>(module: &M) -> Vec<Vec<usize>> {
+    struct Shapes(Vec<Vec<usize>>);
+    impl<B: Backend> ModuleVisitor<B> for Shapes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.push(param.lazy_shape().to_vec());
+        }
+    }
+    let mut v = Shapes(Vec::new());
+    module.visit(&mut v);
+    v.0
 }
 
 /// HF names of all parameters of a module, in visiting order.
@@ -286,26 +371,35 @@ impl<B: Backend> Qwen3<B> {
         weights: &S,
         device: &B::Device,
     ) -> Result<Self> {
-        let model = Self::new(config, device);
+        // A lazy skeleton: the loader replaces every parameter without initialising it.
+        let model = Self::new_seeded(config, Qwen3Init::new(0), device);
         let mut loader = Loader { weights, path: PathStack::default(), used: Vec::new(), error: None };
         let model = model.map(&mut loader);
         if let Some(e) = loader.error {
             return Err(e);
         }
-        let used: std::collections::HashSet<&str> = loader.used.iter().map(String::as_str).collect();
-        let mut unknown: Vec<String> = weights
-            .tensor_names()
-            .into_iter()
-            .filter(|n| !used.contains(n.as_str()))
-            // A tied checkpoint may still carry a copy of the head; HF ignores it too.
-            .filter(|n| !(config.tie_word_embeddings && n == "lm_head.weight"))
-            .collect();
-        if !unknown.is_empty() {
-            unknown.sort();
-            let path = weights.origin_of(&unknown[0]);
-            return Err(Qwen3Error::UnknownTensors { path, names: unknown });
-        }
+        refuse_unknown(config, weights, &loader.used)?;
         Ok(model)
+    }
+
+    /// Checks, without reading any tensor data, that `weights` holds exactly the parameters of
+    /// a model of `config` with their shapes: what [`from_weights`](Self::from_weights) checks,
+    /// for loading shard by shard with [`Fsdp::wrap_deferred`](burn_fsdp::Fsdp::wrap_deferred)
+    /// (where each rank reads only its rows and a missing tensor must not fall back to a
+    /// random one).
+    pub fn check_weights(config: &Qwen3Config, weights: &HfWeights) -> Result<()> {
+        let skeleton = Self::new_seeded(config, Qwen3Init::new(0), &Default::default());
+        let names = parameter_names::<B, _>(&skeleton);
+        let shapes = parameter_shapes::<B, _>(&skeleton);
+        for (name, expected) in names.iter().zip(shapes) {
+            let file = weights.file_of(name)?;
+            let (got, _) = file.info(name)?;
+            if got != expected {
+                let path = file.path().to_path_buf();
+                return Err(Qwen3Error::Shape { path, name: name.clone(), expected, got });
+            }
+        }
+        refuse_unknown(config, weights, &names)
     }
 
     /// All parameters as `(HF name, tensor)` in f32, ready to write.

@@ -6,6 +6,7 @@ use burn::tensor::backend::Backend;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Qwen3Error, Result, io_err};
+use crate::init::Qwen3Init;
 use crate::model::Qwen3;
 
 /// Shape and numerics of a Qwen3 model (the fields of HF's `Qwen3Config` that matter).
@@ -303,6 +304,24 @@ impl Qwen3Config {
     /// The backend's RNG decides the values; seed it with `B::seed` for reproducibility.
     pub fn init<B: Backend>(&self, device: &B::Device) -> Qwen3<B> {
         Qwen3::new(self, device)
+    }
+
+    /// Builds the model initialised from `seed` ([`Qwen3Init`]): the same values on every
+    /// machine and backend, lazily made on first use, and — given the same seed to
+    /// [`Fsdp::wrap_deferred`](burn_fsdp::Fsdp::wrap_deferred) — the same values sharded over
+    /// any number of ranks without any rank making a full copy.
+    ///
+    /// ```
+    /// use burn::backend::NdArray;
+    /// use qwen3_burn::Qwen3Config;
+    ///
+    /// let config = Qwen3Config { num_hidden_layers: 1, ..Qwen3Config::tiny() };
+    /// let a = config.init_seeded::<NdArray>(5, &Default::default());
+    /// let b = config.init_seeded::<NdArray>(5, &Default::default());
+    /// assert_eq!(a.model.embed_tokens.weight.val().into_data(), b.model.embed_tokens.weight.val().into_data());
+    /// ```
+    pub fn init_seeded<B: Backend>(&self, seed: u64, device: &B::Device) -> Qwen3<B> {
+        Qwen3::new_seeded(self, Qwen3Init::new(seed), device)
     }
 }
 

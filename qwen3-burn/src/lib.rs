@@ -7,10 +7,12 @@ pub mod checkpoint;
 pub mod config;
 pub mod error;
 pub mod generate;
+pub mod init;
 pub mod model;
 pub mod tokenizer;
 pub mod train;
 
 pub use config::Qwen3Config;
 pub use error::{Qwen3Error, Result};
+pub use init::Qwen3Init;
 pub use model::{KvCache, Qwen3};

@@ -18,6 +18,7 @@ use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
 use burn_fsdp::runner::{Direct, ModuleHooks, NoHooks, UnitRunner};
 
 use crate::config::Qwen3Config;
+use crate::init::{INIT_STD, Qwen3Init};
 
 // ───────────────────────────── building blocks ─────────────────────────────
 
@@ -33,8 +34,8 @@ pub struct Linear<B: Backend> {
 }
 
 impl<B: Backend> Linear<B> {
-    fn new(d_in: usize, d_out: usize, device: &B::Device) -> Self {
-        Self { weight: init_normal([d_out, d_in], device) }
+    fn new(name: &str, d_in: usize, d_out: usize, w: Weights, device: &B::Device) -> Self {
+        Self { weight: w.normal(&format!("{name}.weight"), [d_out, d_in], device) }
     }
 
     /// `x · Wᵀ`.
@@ -62,8 +63,8 @@ pub struct RmsNorm<B: Backend> {
 }
 
 impl<B: Backend> RmsNorm<B> {
-    fn new(dim: usize, eps: f64, device: &B::Device) -> Self {
-        Self { weight: Param::from_tensor(Tensor::ones([dim], device)), eps }
+    fn new(name: &str, dim: usize, eps: f64, w: Weights, device: &B::Device) -> Self {
+        Self { weight: w.ones(&format!("{name}.weight"), dim, device), eps }
     }
 
     /// Normalises the last dimension.
@@ -217,14 +218,15 @@ pub struct Attention<B: Backend> {
 }
 
 impl<B: Backend> Attention<B> {
-    fn new(c: &Qwen3Config, device: &B::Device) -> Self {
+    fn new(name: &str, c: &Qwen3Config, w: Weights, device: &B::Device) -> Self {
+        let n = |s: &str| format!("{name}.{s}");
         Self {
-            q_proj: Linear::new(c.hidden_size, c.q_dim(), device),
-            k_proj: Linear::new(c.hidden_size, c.kv_dim(), device),
-            v_proj: Linear::new(c.hidden_size, c.kv_dim(), device),
-            o_proj: Linear::new(c.q_dim(), c.hidden_size, device),
-            q_norm: RmsNorm::new(c.head_dim, c.rms_norm_eps, device),
-            k_norm: RmsNorm::new(c.head_dim, c.rms_norm_eps, device),
+            q_proj: Linear::new(&n("q_proj"), c.hidden_size, c.q_dim(), w, device),
+            k_proj: Linear::new(&n("k_proj"), c.hidden_size, c.kv_dim(), w, device),
+            v_proj: Linear::new(&n("v_proj"), c.hidden_size, c.kv_dim(), w, device),
+            o_proj: Linear::new(&n("o_proj"), c.q_dim(), c.hidden_size, w, device),
+            q_norm: RmsNorm::new(&n("q_norm"), c.head_dim, c.rms_norm_eps, w, device),
+            k_norm: RmsNorm::new(&n("k_norm"), c.head_dim, c.rms_norm_eps, w, device),
             num_heads: c.num_attention_heads,
             num_kv_heads: c.num_key_value_heads,
             head_dim: c.head_dim,
@@ -386,27 +388,75 @@ pub struct Qwen3<B: Backend> {
 }
 
 impl<B: Backend> Qwen3<B> {
-    /// A randomly initialised model (normal(0, 0.02) weights, unit norms).
+    /// A randomly initialised model (normal(0, 0.02) weights, unit norms) drawn from the
+    /// backend's RNG.
     pub fn new(c: &Qwen3Config, device: &B::Device) -> Self {
+        Self::build(c, Weights::BackendRng, device)
+    }
+
+    /// The model initialised by `init`, lazily: each parameter is made on first use, so a
+    /// model handed to [`Fsdp::wrap_deferred`](burn_fsdp::Fsdp::wrap_deferred) with the same
+    /// `init` (or with checkpoint weights) never allocates a full parameter.
+    pub fn new_seeded(c: &Qwen3Config, init: Qwen3Init, device: &B::Device) -> Self {
+        Self::build(c, Weights::Seeded(init), device)
+    }
+
+    fn build(c: &Qwen3Config, w: Weights, device: &B::Device) -> Self {
         let layers = (0..c.num_hidden_layers)
-            .map(|_| DecoderLayer {
-                self_attn: Attention::new(c, device),
-                mlp: Mlp {
-                    gate_proj: Linear::new(c.hidden_size, c.intermediate_size, device),
-                    up_proj: Linear::new(c.hidden_size, c.intermediate_size, device),
-                    down_proj: Linear::new(c.intermediate_size, c.hidden_size, device),
-                },
-                input_layernorm: RmsNorm::new(c.hidden_size, c.rms_norm_eps, device),
-                post_attention_layernorm: RmsNorm::new(c.hidden_size, c.rms_norm_eps, device),
+            .map(|i| {
+                let n = |s: &str| format!("model.layers.{i}.{s}");
+                DecoderLayer {
+                    self_attn: Attention::new(&n("self_attn"), c, w, device),
+                    mlp: Mlp {
+                        gate_proj: Linear::new(
+                            &n("mlp.gate_proj"),
+                            c.hidden_size,
+                            c.intermediate_size,
+                            w,
+                            device,
+                        ),
+                        up_proj: Linear::new(
+                            &n("mlp.up_proj"),
+                            c.hidden_size,
+                            c.intermediate_size,
+                            w,
+                            device,
+                        ),
+                        down_proj: Linear::new(
+                            &n("mlp.down_proj"),
+                            c.intermediate_size,
+                            c.hidden_size,
+                            w,
+                            device,
+                        ),
+                    },
+                    input_layernorm: RmsNorm::new(
+                        &n("input_layernorm"),
+                        c.hidden_size,
+                        c.rms_norm_eps,
+                        w,
+                        device,
+                    ),
+                    post_attention_layernorm: RmsNorm::new(
+                        &n("post_attention_layernorm"),
+                        c.hidden_size,
+                        c.rms_norm_eps,
+                        w,
+                        device,
+                    ),
+                }
             })
             .collect();
         Self {
             model: Qwen3Model {
-                embed_tokens: Embedding { weight: init_normal([c.vocab_size, c.hidden_size], device) },
+                embed_tokens: Embedding {
+                    weight: w.normal("model.embed_tokens.weight", [c.vocab_size, c.hidden_size], device),
+                },
                 layers,
-                norm: RmsNorm::new(c.hidden_size, c.rms_norm_eps, device),
+                norm: RmsNorm::new("model.norm", c.hidden_size, c.rms_norm_eps, w, device),
             },
-            lm_head: (!c.tie_word_embeddings).then(|| Linear::new(c.hidden_size, c.vocab_size, device)),
+            lm_head: (!c.tie_word_embeddings)
+                .then(|| Linear::new("lm_head", c.hidden_size, c.vocab_size, w, device)),
             rope_theta: c.rope_theta,
             head_dim: c.head_dim,
         }
@@ -463,6 +513,35 @@ impl<B: Backend> Qwen3<B> {
     }
 }
 
-fn init_normal<B: Backend, const D: usize>(shape: [usize; D], device: &B::Device) -> Param<Tensor<B, D>> {
-    Param::from_tensor(Tensor::random(shape, burn::tensor::Distribution::Normal(0.0, 0.02), device))
+/// Where [`Qwen3::build`] takes each parameter's initial values from (the HF name says which).
+#[derive(Debug, Clone, Copy)]
+enum Weights {
+    /// Eagerly, from the backend's RNG.
+    BackendRng,
+    /// Lazily, from a seed, shardable.
+    Seeded(Qwen3Init),
+}
+
+impl Weights {
+    fn normal<B: Backend, const D: usize>(
+        self,
+        name: &str,
+        shape: [usize; D],
+        device: &B::Device,
+    ) -> Param<Tensor<B, D>> {
+        match self {
+            Weights::BackendRng => {
+                let normal = burn::tensor::Distribution::Normal(0.0, INIT_STD);
+                Param::from_tensor(Tensor::random(shape, normal, device))
+            }
+            Weights::Seeded(init) => init.param(name, shape, device),
+        }
+    }
+
+    fn ones<B: Backend>(self, name: &str, dim: usize, device: &B::Device) -> Param<Tensor<B, 1>> {
+        match self {
+            Weights::BackendRng => Param::from_tensor(Tensor::ones([dim], device)),
+            Weights::Seeded(init) => init.param(name, [dim], device),
+        }
+    }
 }

@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 
+pub mod alloc;
 pub mod toy;
 
 /// Path of a file or directory under `tests/fixtures/`.

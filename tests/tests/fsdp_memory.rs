@@ -3,9 +3,8 @@
 //! through [`SERIAL`], so nothing else allocates).
 #![allow(clippy::unwrap_used)]
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicIsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
@@ -14,48 +13,15 @@ use burn::module::Module;
 use burn::tensor::{Int, Tensor};
 use burn_fsdp::{DeviceMesh, Fsdp, FsdpConfig, UnitRunner, launch};
 use qwen3_burn::{Qwen3, Qwen3Config};
+use tests::alloc::{CURRENT, PEAK};
 
 type FB = Autodiff<NdArray<f32>, BalancedCheckpointing>;
 
 /// The tests of this binary share the allocator's counters: they run one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
 
-static CURRENT: AtomicIsize = AtomicIsize::new(0);
-static PEAK: AtomicIsize = AtomicIsize::new(0);
-
-struct Counting;
-
-// SAFETY: every method forwards to `System` with the caller's arguments unchanged, so the
-// GlobalAlloc contract holds exactly as for `System`; the counters are plain atomics.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: same layout as given to us.
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            let now = CURRENT.fetch_add(layout.size() as isize, Ordering::Relaxed) + layout.size() as isize;
-            PEAK.fetch_max(now, Ordering::Relaxed);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: `ptr` was returned by `alloc`/`realloc` above with this layout.
-        unsafe { System.dealloc(ptr, layout) };
-        CURRENT.fetch_sub(layout.size() as isize, Ordering::Relaxed);
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        // SAFETY: forwarded unchanged.
-        let p = unsafe { System.realloc(ptr, layout, new_size) };
-        if !p.is_null() {
-            let delta = new_size as isize - layout.size() as isize;
-            let now = CURRENT.fetch_add(delta, Ordering::Relaxed) + delta;
-            PEAK.fetch_max(now, Ordering::Relaxed);
-        }
-        p
-    }
-}
-
 #[global_allocator]
-static ALLOCATOR: Counting = Counting;
+static ALLOCATOR: tests::alloc::Counting = tests::alloc::Counting;
 
 /// Records the live bytes when each unit starts computing (its parameters gathered), with
 /// every rank stopped at the same point (barriers before and after the reading).

@@ -117,8 +117,7 @@ fn train_throughput(
     steps: usize,
     extra: &[&str],
 ) -> Result<Throughput> {
-    let device = crate::device();
-    let model = config.init::<Backend>(&device).to_hf_tensors();
+    let model = crate::weights::InitialWeights::Seeded(qwen3_burn::Qwen3Init::new(0));
     let batches = synthetic_batches(steps + 1, rows, seq, config.vocab_size, 0);
     let argv: Vec<String> = match world {
         None => vec!["train-qwen3".into(), "--no-fsdp".into(), "--quiet".into()],
@@ -274,7 +273,7 @@ fn rank_memory(
 ) -> Result<RankMemory> {
     type Ad = FsdpTrainBackend<Backend>;
     let device = crate::device();
-    let weights = config.init::<Backend>(&device).to_hf_tensors();
+    let init = qwen3_burn::Qwen3Init::new(0);
     let batches = synthetic_batches(steps, rows, seq, config.vocab_size, 0);
     let args = TrainArgs::parse_from_args(&["train-qwen3", "--world-size", &world.to_string(), "--quiet"])?;
     let baseline = live_bytes().context("the counting allocator is not installed")?;
@@ -283,9 +282,10 @@ fn rank_memory(
     let shard_elems = launch(world, Duration::from_secs(600), |group: Arc<LocalGroup>| {
         let rank = group.rank();
         let rows_per_rank = rows / world;
-        let replica = Qwen3::<Ad>::from_weights(config, weights.as_slice(), &device)?;
+        // Each rank creates only its shards: nothing of the full model is ever resident.
+        let skeleton = Qwen3::<Ad>::new_seeded(config, init, &device);
         let mesh = DeviceMesh::new_1d(group.clone(), device);
-        let mut fsdp = Fsdp::wrap(replica, &mesh, fsdp_config(&args))?;
+        let mut fsdp = Fsdp::wrap_deferred(skeleton, &mesh, fsdp_config(&args), &init)?;
         let mut optim = args.adamw().init();
         let shard_elems: usize = fsdp.units().iter().map(|u| u.shard_len()).sum();
         let sync = |name: &str| ProcessGroup::<Backend>::barrier(&*group, &Tag::new(name));

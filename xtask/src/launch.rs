@@ -181,21 +181,7 @@ pub fn run_digest(args: &TrainArgs, setup: &Setup) -> Vec<(String, u64)> {
         "model config".to_owned(),
         digest(serde_json::to_string(&setup.config).unwrap_or_default().as_bytes()),
     ));
-    let mut h = Fnv64::default();
-    for (name, t) in &setup.model {
-        h.write(name.as_bytes());
-        match t {
-            qwen3_burn::checkpoint::TensorOut::F32(shape, v) => {
-                h.write(format!("{shape:?}").as_bytes());
-                v.iter().for_each(|x| h.write(&x.to_le_bytes()));
-            }
-            qwen3_burn::checkpoint::TensorOut::I64(shape, v) => {
-                h.write(format!("{shape:?}").as_bytes());
-                v.iter().for_each(|x| h.write(&x.to_le_bytes()));
-            }
-        }
-    }
-    items.push(("weights".to_owned(), h.0));
+    items.push(("weights".to_owned(), setup.model.digest()));
     let mut h = Fnv64::default();
     h.write(
         format!("{:?}", (setup.batches.steps, setup.batches.rows, setup.batches.width, setup.steps))

@@ -17,6 +17,7 @@ pub mod plot;
 pub mod schedule;
 pub mod tokenizer;
 pub mod train;
+pub mod weights;
 
 /// The CPU backend every command runs on.
 pub type Backend = burn::backend::NdArray<f32>;

@@ -9,7 +9,6 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::backend::Backend as _;
 use burn::tensor::{DType, ElementConversion};
 use burn_fsdp::checkpoint::{CheckpointIndex, INDEX_FILE, read_index};
 use burn_fsdp::offload::OffloadPolicy;
@@ -20,10 +19,11 @@ use burn_fsdp::{
 };
 use qwen3_burn::checkpoint::{TensorOut, write_safetensors};
 use qwen3_burn::train::{Batches, cross_entropy, inputs_and_labels};
-use qwen3_burn::{Qwen3, Qwen3Config};
+use qwen3_burn::{Qwen3, Qwen3Config, Qwen3Init};
 use serde::Serialize;
 
 use crate::data::synthetic_batches;
+use crate::weights::InitialWeights;
 use crate::{Backend, TrainBackend, device};
 use burn::backend::Autodiff;
 use burn_metax_backend::{MetaxEmu, MetaxEmuDevice};
@@ -454,8 +454,9 @@ impl StepMetrics {
 pub struct Setup {
     /// Model config.
     pub config: Qwen3Config,
-    /// Initial weights (HF names), from which every rank builds its own replica.
-    pub model: Vec<(String, TensorOut)>,
+    /// The initial weights: a single device builds the model from them, each FSDP rank only
+    /// its shards.
+    pub model: InitialWeights,
     /// Token batches.
     pub batches: Batches,
     /// Number of steps to run.
@@ -466,7 +467,6 @@ pub struct Setup {
 
 /// Loads (or builds) the model and data, validating every flag against them.
 pub fn setup(args: &TrainArgs) -> Result<Setup> {
-    let device = device();
     let topology = args.topology();
     if topology.world() == 0 {
         bail!("--world-size must be at least 1");
@@ -618,15 +618,11 @@ pub fn setup(args: &TrainArgs) -> Result<Setup> {
         );
     }
     let model = match (&args.checkpoint, &resume) {
-        (Some(dir), _) => Qwen3::<Backend>::load_weights(&config, dir, &device)?,
+        (Some(dir), _) => InitialWeights::checkpoint(&config, dir)?,
         // Resuming: the weights come from the checkpoint when training starts.
-        (None, Some(_)) => config.init::<Backend>(&device),
-        (None, None) => {
-            Backend::seed(&device, args.seed());
-            config.init::<Backend>(&device)
-        }
+        (None, Some(_)) => InitialWeights::Seeded(Qwen3Init::new(0)),
+        (None, None) => InitialWeights::Seeded(Qwen3Init::new(args.seed())),
     };
-    let model = model.to_hf_tensors();
     Ok(Setup { config, model, batches, steps, resume: resume.map(|(dir, _)| dir) })
 }
 
@@ -1255,7 +1251,7 @@ pub fn train_single_on<AB: burn::tensor::backend::AutodiffBackend>(
 ) -> Result<Vec<StepMetrics>> {
     let device = device.clone();
     let Setup { config, model, batches, steps, .. } = setup;
-    let mut model = Qwen3::<AB>::from_weights(&config, model.as_slice(), &device)?;
+    let mut model = model.model::<AB>(&config, &device)?;
     let mut optim = args.adamw().init();
     let schedule = args.lr_schedule(steps);
     let micro = args.grad_accum;
@@ -1512,20 +1508,28 @@ fn fsdp_rank_steps<B: burn::tensor::backend::Backend>(
     let rows_per_rank = batches.rows / data_world;
     let micro = args.grad_accum;
     let rows_per_micro = rows_per_rank / micro;
-    let replica = Qwen3::<Ad<B>>::from_weights(config, model.as_slice(), &device)?;
-    let (replica, tp, mesh) = match (topology, &inner) {
+    let mut tp = None;
+    let mut fsdp = match (topology, &inner) {
+        // Tensor parallelism splits whole parameters first: this rank builds the model, then
+        // keeps its TP slices and FSDP shards of them.
         (Topology::DpTp { .. }, Some(tp_group)) => {
-            let (m, tp) = TensorParallel::apply(replica, tp_group.clone(), qwen3_tp_plan(config))?;
-            (m, Some(tp), DeviceMesh::new_1d(outer.clone(), device.clone()))
+            let replica = model.model::<Ad<B>>(config, &device)?;
+            let (m, plan) = TensorParallel::apply(replica, tp_group.clone(), qwen3_tp_plan(config))?;
+            tp = Some(plan);
+            Fsdp::wrap(m, &DeviceMesh::new_1d(outer.clone(), device.clone()), fsdp_config(args))?
         }
-        (Topology::Hsdp { .. }, Some(shard)) => {
-            let mesh =
-                DeviceMesh::new_2d(("replicate", outer.clone()), ("shard", shard.clone()), device.clone());
-            (replica, None, mesh)
+        // Otherwise the rank creates only its own shards (no full copy of any parameter).
+        (topology, inner) => {
+            let mesh = match (topology, inner) {
+                (Topology::Hsdp { .. }, Some(shard)) => {
+                    DeviceMesh::new_2d(("replicate", outer.clone()), ("shard", shard.clone()), device.clone())
+                }
+                _ => DeviceMesh::new_1d(outer.clone(), device.clone()),
+            };
+            let skeleton = model.skeleton::<Ad<B>>(config, &device);
+            Fsdp::wrap_deferred(skeleton, &mesh, fsdp_config(args), model.shards())?
         }
-        _ => (replica, None, DeviceMesh::new_1d(outer.clone(), device.clone())),
     };
-    let mut fsdp = Fsdp::wrap(replica, &mesh, fsdp_config(args))?;
     let mut optim = args.adamw().init();
     let first_step = match resume {
         Some(dir) => fsdp.load_sharded_with(dir, &mut optim, &model_config, tp.as_ref())?.step as usize,
