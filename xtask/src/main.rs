@@ -26,6 +26,9 @@ enum Command {
     Generate(xtask::generate::GenerateArgs),
     /// Turn a sharded FSDP checkpoint into one HF checkpoint (config.json + model.safetensors).
     Consolidate(xtask::consolidate::ConsolidateArgs),
+    /// The reference run at real size: Qwen3-0.6B, W = 4, this project's FSDP and single device
+    /// against PyTorch FSDP2 on the same random checkpoint and batches.
+    Headline(xtask::headline::HeadlineArgs),
     /// Backend conformance suite: every op Qwen3 training and FSDP use vs float64 references.
     Conformance(xtask::conformance::ConformanceArgs),
     /// Qwen3 training throughput, MFU and FSDP W=1 overhead on an NVIDIA GPU (CUDA proxy).
@@ -62,6 +65,7 @@ fn main() {
         #[cfg(feature = "mpi")]
         Command::MpiBench(args) => xtask::mpi_tools::bench(&args),
         Command::Bench(args) => xtask::bench::run(&args).map(|_| ()),
+        Command::Headline(args) => xtask::headline::run(&args).map(|_| ()),
         Command::Generate(args) => xtask::generate::run(&args).map(|text| println!("{text}")),
         Command::Conformance(args) => xtask::conformance::run(&args).map(|status| match status.exit_code() {
             0 => (),
