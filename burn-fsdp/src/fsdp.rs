@@ -12,6 +12,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 
+use crate::activation::{CheckpointRunner, Checkpointed, add_grads};
 use crate::collectives::UnitComm;
 use crate::comm::{CommError, CommStats, ProcessGroup, ReduceOp, Tag};
 use crate::init::{InitError, ShardInit};
@@ -665,16 +666,19 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         let root = if self.units[0].params.is_empty() || self.bypass() {
             self.module.clone()
         } else {
-            self.gather_view(self.module.clone(), 0, None)
+            self.gather_view(self.module.clone(), 0, None, self.units[0].reshard_after_forward)
         };
-        let mut runner = FsdpRunner { fsdp: self, ran: vec![false; self.units.len()] };
+        let mut runner = FsdpRunner { fsdp: self, ran: vec![false; self.units.len()], rerun: false };
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&root, &mut runner)));
-        let payload = match result {
-            Ok(out) => return Ok(out),
-            Err(payload) => payload,
-        };
+        result.map_err(|payload| self.forward_failed(&runner.ran, payload))
+    }
+
+    /// The error of a forward whose closure panicked: [`FsdpError::UnitNotRun`] when units
+    /// had not been run through the runner; any other panic (a failed collective's among
+    /// them) unwinds on unchanged.
+    fn forward_failed(&self, ran: &[bool], payload: Box<dyn std::any::Any + Send>) -> FsdpError {
         let not_run: Vec<String> = (1..self.units.len())
-            .filter(|&u| !runner.ran[u] && !self.units[u].params.is_empty() && !self.bypass())
+            .filter(|&u| !ran[u] && !self.units[u].params.is_empty() && !self.bypass())
             .map(|u| format!("`{}`", self.units[u].name))
             .collect();
         // A collective that failed (a peer died or timed out) is not a unit left unrun: it
@@ -683,7 +687,77 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
             std::panic::resume_unwind(payload);
         }
         let cause = crate::comm::panic_message(payload.as_ref());
-        Err(FsdpError::UnitNotRun { units: not_run.join(", "), cause })
+        FsdpError::UnitNotRun { units: not_run.join(", "), cause }
+    }
+
+    /// [`forward`](Self::forward) with block-level activation checkpointing
+    /// ([`crate::activation`]): blocks the model runs through
+    /// [`UnitRunner::run_recomputable`] keep only their input through forward and run again
+    /// (with a fresh all-gather) in [`backward_checkpointed`](Self::backward_checkpointed).
+    /// `f` returns the loss. The root unit's gathered parameters are handed to the model as
+    /// leaves, so the pieces of the segmented backward share no graph; they stay gathered
+    /// until backward ends.
+    ///
+    /// # Panics
+    /// As [`forward`](Self::forward).
+    pub fn forward_checkpointed<'s>(
+        &'s self,
+        f: impl FnOnce(&M, &mut CheckpointRunner<'s, B, FsdpRunner<'s, B, M>>) -> Tensor<B, 1>,
+    ) -> Checkpointed<'s, B> {
+        if let Some(p) = &self.prefetch
+            && !self.bypass()
+        {
+            p.begin_forward(self.all_shards());
+        }
+        let (root, roots) = if self.units[0].params.is_empty() || self.bypass() {
+            (self.module.clone(), Vec::new())
+        } else {
+            let view = self.gather_view(self.module.clone(), 0, None, self.units[0].reshard_after_forward);
+            let mut leaves = RootLeaves { pairs: Vec::new() };
+            (view.map(&mut leaves), leaves.pairs)
+        };
+        let ran = vec![false; self.units.len()];
+        let forward = FsdpRunner { fsdp: self, ran: ran.clone(), rerun: false };
+        let mut runner = CheckpointRunner::new(forward, FsdpRunner { fsdp: self, ran, rerun: true });
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&root, &mut runner)));
+        // Every backward ends by locking every autodiff graph of the process, other ranks'
+        // included. A rank whose backward blocks in a collective (no communication thread)
+        // while holding its graph would wait for a peer stuck in that cleanup: so no rank
+        // starts a piece of the segmented backward before all have finished the previous one.
+        // (With the communication thread a backward never waits for a collective, except
+        // the reduce-scatter of a unit too wide for the gather's direct parents.)
+        let blocking = self.prefetch.is_none()
+            || self.units.iter().any(|u| u.params.len() > crate::op::MAX_DIRECT_PARENTS);
+        let between: Option<Box<dyn Fn() + 's>> =
+            blocking.then(|| Box::new(move || self.barrier_all("checkpointed-backward")) as _);
+        match result {
+            Ok(loss) => Checkpointed::new(loss, runner, roots, between),
+            Err(payload) => panic!("{}", self.forward_failed(&runner.inner.ran, payload)),
+        }
+    }
+
+    /// A barrier of every rank of the mesh (the shard group, then the replicate group: once
+    /// both returned, every rank has arrived); a failure unwinds as a
+    /// [`CollectiveFailure`](crate::CollectiveFailure).
+    fn barrier_all(&self, name: &str) {
+        self.quiesce();
+        let tag = Tag::new(name);
+        let groups = std::iter::once(self.shard_group()).chain(self.replicate_group());
+        for group in groups {
+            if let Err(e) = group.barrier(&tag) {
+                crate::comm::CollectiveFailure::raise(format!("{name}: {e}"));
+            }
+        }
+    }
+
+    /// Runs the segmented backward of a [`forward_checkpointed`](Self::forward_checkpointed)
+    /// and returns the shard gradients, as [`gradients`](Self::gradients) does for
+    /// `loss.backward()`.
+    pub fn backward_checkpointed(&self, run: Checkpointed<'_, B>) -> GradientsParams
+    where
+        M: AutodiffModule<B>,
+    {
+        self.gradients_of(run.backward())
     }
 
     /// What the overlap of communication with compute achieved on this rank (see
@@ -771,16 +845,28 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     where
         M: AutodiffModule<B>,
     {
+        self.gradients_of(vec![grads])
+    }
+
+    /// [`gradients`](Self::gradients) of several backward passes over this forward's graph
+    /// (a segmented backward), summed per shard.
+    fn gradients_of(&self, all: Vec<B::Gradients>) -> GradientsParams
+    where
+        M: AutodiffModule<B>,
+    {
         let sync = self.sync.load(Ordering::SeqCst);
         // Reduce-scatters still running on the communication thread.
         let reduced = self.prefetch.as_ref().map(|p| p.finish_reductions()).unwrap_or_default();
         if self.host.is_some() {
             // Offload: the gather op's backward already copied the reduced gradients to the
             // host store, where `clip_grad_norm` and `step` find them.
-            drop(grads);
+            drop(all);
             return GradientsParams::new();
         }
-        let mut current = GradientsParams::from_grads(grads, &self.module);
+        let mut current = GradientsParams::new();
+        for grads in all {
+            add_grads::<B, M>(&self.module, &mut current, GradientsParams::from_grads(grads, &self.module));
+        }
         if !self.bypass() {
             // The gather op kept (or reduced) the full gradients itself.
             if !sync {
@@ -1074,7 +1160,13 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     }
 
     /// A view of `module` with unit `u`'s parameters all-gathered (other parameters untouched).
-    fn gather_view<U: Module<B>>(&self, module: U, u: usize, anchor: Option<FloatTensor<B>>) -> U {
+    fn gather_view<U: Module<B>>(
+        &self,
+        module: U,
+        u: usize,
+        anchor: Option<FloatTensor<B>>,
+        reshard: bool,
+    ) -> U {
         let unit = &self.units[u];
         let full = match &self.host {
             Some(host) => {
@@ -1084,18 +1176,12 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
                     Tensor::<B, 1>::from_inner(leaf).require_grad().into_primitive().tensor()
                 });
                 let ids = Arc::new(unit.params.iter().map(|p| (p.id, p.shard_numel())).collect());
-                B::fsdp_all_gather_offloaded(
-                    anchor,
-                    unit.comm.clone(),
-                    host.clone(),
-                    ids,
-                    unit.reshard_after_forward,
-                )
+                B::fsdp_all_gather_offloaded(anchor, unit.comm.clone(), host.clone(), ids, reshard)
             }
             None => {
                 let shards = collect_shards::<B, U>(&module, &self.param_unit, self.units.len());
                 let parts = unit_shards::<B, _>(unit, &shards[u]);
-                B::fsdp_all_gather(parts, anchor, unit.comm.clone(), unit.reshard_after_forward)
+                B::fsdp_all_gather(parts, anchor, unit.comm.clone(), reshard)
             }
         };
         let gathered = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(full))
@@ -1103,29 +1189,6 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         let mut mapper = Unsharder { unit, gathered };
         module.map(&mut mapper)
     }
-}
-
-/// `into += from`, parameter by parameter (missing entries are taken as they are).
-fn add_grads<B: FsdpBackend, M: AutodiffModule<B>>(
-    module: &M,
-    into: &mut GradientsParams,
-    mut from: GradientsParams,
-) {
-    struct Add<'a> {
-        into: &'a mut GradientsParams,
-        from: &'a mut GradientsParams,
-    }
-    impl<B: FsdpBackend> ModuleVisitor<B> for Add<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let Some(g) = self.from.remove::<B::InnerBackend, D>(param.id) else { return };
-            let sum = match self.into.remove::<B::InnerBackend, D>(param.id) {
-                Some(e) => e + g,
-                None => g,
-            };
-            self.into.register(param.id, sum);
-        }
-    }
-    module.visit(&mut Add { into, from: &mut from });
 }
 
 trait ElemF64 {
@@ -1300,6 +1363,14 @@ pub struct FsdpRunner<'a, B: FsdpBackend, M: Module<B>> {
     fsdp: &'a Fsdp<B, M>,
     /// Which units went through [`UnitRunner::run`] in this forward.
     ran: Vec<bool>,
+    /// Runs blocks again in a checkpointed backward ([`crate::activation`]).
+    rerun: bool,
+}
+
+impl<B: FsdpBackend, M: Module<B>> Clone for FsdpRunner<'_, B, M> {
+    fn clone(&self) -> Self {
+        Self { fsdp: self.fsdp, ran: self.ran.clone(), rerun: self.rerun }
+    }
 }
 
 impl<B: FsdpBackend, M: Module<B>> UnitRunner<B> for FsdpRunner<'_, B, M> {
@@ -1317,7 +1388,10 @@ impl<B: FsdpBackend, M: Module<B>> UnitRunner<B> for FsdpRunner<'_, B, M> {
         };
         self.ran[u] = true;
         let anchor = x.clone().into_primitive().tensor();
-        let view = self.fsdp.gather_view(unit.clone(), u, Some(anchor));
+        // A block run again by activation checkpointing keeps its gathered parameters for its
+        // own backward, which follows at once: no reshard, no re-gather.
+        let reshard = self.fsdp.units[u].reshard_after_forward && !self.rerun;
+        let view = self.fsdp.gather_view(unit.clone(), u, Some(anchor), reshard);
         let policy = self.fsdp.config.mp_policy;
         let x = match policy.param_dtype {
             Some(dt) if x.dtype() != dt => x.cast(dt),
@@ -1328,6 +1402,21 @@ impl<B: FsdpBackend, M: Module<B>> UnitRunner<B> for FsdpRunner<'_, B, M> {
             Some(dt) if y.dtype() != dt => y.cast(dt),
             _ => y,
         }
+    }
+}
+
+/// Maps the gathered root view's parameters to leaves holding the same values, remembering
+/// `(leaf, original)` pairs ([`Fsdp::forward_checkpointed`]).
+struct RootLeaves<B: Backend> {
+    pairs: Vec<(FloatTensor<B>, FloatTensor<B>)>,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for RootLeaves<B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, original, mapper) = param.consume();
+        let leaf = original.clone().detach().require_grad();
+        self.pairs.push((leaf.clone().into_primitive().tensor(), original.into_primitive().tensor()));
+        Param::from_mapped_value(id, leaf, mapper)
     }
 }
 

@@ -19,6 +19,7 @@
 //! initialisation: [`Fsdp::wrap_deferred`]), [`fsdp`] (the public API).
 #![warn(missing_docs)]
 
+pub mod activation;
 pub mod checkpoint;
 pub mod collectives;
 pub mod comm;

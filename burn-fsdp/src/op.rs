@@ -66,6 +66,13 @@ pub trait FsdpBackend: AutodiffBackend {
     /// Whether a memory-bound op is recomputed in backward (true for
     /// `Autodiff<_, BalancedCheckpointing>`), which `reshard_after_forward` relies on.
     fn recomputes() -> bool;
+
+    /// The autodiff node of `tensor` (identifies it across clones).
+    fn autodiff_node(tensor: &FloatTensor<Self>) -> NodeId;
+
+    /// Whether `tensor` is part of a graph that backward can walk (a leaf requiring
+    /// gradients, or computed from one).
+    fn is_tracked(tensor: &FloatTensor<Self>) -> bool;
 }
 
 fn wrap<B: Backend>(t: B::FloatTensorPrimitive) -> Tensor<B, 1> {
@@ -287,5 +294,13 @@ impl<B: Backend, C: CheckpointStrategy> FsdpBackend for Autodiff<B, C> {
 
     fn recomputes() -> bool {
         crate::fsdp::is_balanced::<C>()
+    }
+
+    fn autodiff_node(tensor: &FloatTensor<Self>) -> NodeId {
+        tensor.node.id
+    }
+
+    fn is_tracked(tensor: &FloatTensor<Self>) -> bool {
+        tensor.is_tracked()
     }
 }

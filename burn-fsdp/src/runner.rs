@@ -38,6 +38,19 @@ pub trait UnitRunner<B: Backend> {
         x: Tensor<B, D>,
         f: impl FnOnce(&M, Tensor<B, D>) -> Tensor<B, D>,
     ) -> Tensor<B, D>;
+
+    /// [`run`](Self::run) for a block whose forward can run again: `f` changes nothing
+    /// between runs and owns what it uses besides `unit` and `x`. A runner may then keep only
+    /// `x` through forward and run `f` again in backward (activation checkpointing,
+    /// [`crate::activation`]); the default runs it once, as [`run`](Self::run).
+    fn run_recomputable<M: Module<B> + 'static, const D: usize>(
+        &mut self,
+        unit: &M,
+        x: Tensor<B, D>,
+        f: impl Fn(&M, Tensor<B, D>) -> Tensor<B, D> + 'static,
+    ) -> Tensor<B, D> {
+        self.run(unit, x, f)
+    }
 }
 
 /// The runner that calls every block directly: plain single-device execution.

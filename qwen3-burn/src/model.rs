@@ -12,9 +12,11 @@
 //! decoder layer runs through a [`UnitRunner`], which FSDP uses to gather the layer's shards.
 
 use burn::module::{Module, Param};
-use burn::tensor::activation::{silu, softmax};
+use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
+use burn::tensor::module::attention;
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_fsdp::runner::{Direct, ModuleHooks, NoHooks, UnitRunner};
 
 use crate::config::Qwen3Config;
@@ -268,19 +270,18 @@ impl<B: Backend> Attention<B> {
             }
         };
         let (k, v) = (repeat(k), repeat(v));
+        // Burn's attention op: softmax(q·kᵀ/√d)·v with the causal mask aligned to the last
+        // query (so a cache of `past` keys is attended to in full); a backend with a fused
+        // kernel runs it without materialising the scores. Scores and softmax are f32, as in
+        // HF's eager attention, whatever the parameters' dtype.
         let dtype = q.dtype();
-        let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar((hd as f64).powf(-0.5));
-        let mask = causal_mask::<B>(t, past, &scores.device()).expand([b, heads, t, s]);
-        let scores = scores.mask_fill(mask, f32::NEG_INFINITY);
-        let probs = softmax(scores.cast(DType::F32), 3).cast(dtype);
-        let out = probs.matmul(v).swap_dims(1, 2).reshape([b, t, heads * hd]);
+        let f32 = |y: Tensor<B, 4>| if y.dtype() == DType::F32 { y } else { y.cast(DType::F32) };
+        let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: true };
+        let out = attention(f32(q), f32(k), f32(v), None, None, options);
+        let out = if dtype == DType::F32 { out } else { out.cast(dtype) };
+        let out = out.swap_dims(1, 2).reshape([b, t, heads * hd]);
         self.o_proj.forward(out)
     }
-}
-
-/// `true` where query `i` (absolute position `past + i`) must not see key `j`.
-fn causal_mask<B: Backend>(t: usize, past: usize, device: &B::Device) -> Tensor<B, 4, Bool> {
-    Tensor::<B, 2, Bool>::tril_mask([t, past + t], past as i64, device).unsqueeze()
 }
 
 // ───────────────────────────── MLP and layer ─────────────────────────────
@@ -469,7 +470,7 @@ impl<B: Backend> Qwen3<B> {
 
     /// [`forward`](Self::forward) with each decoder layer run through `runner`.
     pub fn forward_with<R: UnitRunner<B>>(&self, ids: Tensor<B, 2, Int>, runner: &mut R) -> Tensor<B, 3> {
-        self.forward_inner(ids, runner, &NoHooks, None)
+        self.forward_inner(ids, runner, None, None)
     }
 
     /// [`forward_with`](Self::forward_with), also calling `hooks` around each layer's
@@ -480,19 +481,65 @@ impl<B: Backend> Qwen3<B> {
         runner: &mut R,
         hooks: &dyn ModuleHooks<B>,
     ) -> Tensor<B, 3> {
-        self.forward_inner(ids, runner, hooks, None)
+        self.forward_inner(ids, runner, Some(hooks), None)
     }
 
     /// Logits of the new tokens `ids`, attending to (and extending) `cache`.
     pub fn forward_cached(&self, ids: Tensor<B, 2, Int>, cache: &mut KvCache<B>) -> Tensor<B, 3> {
-        self.forward_inner(ids, &mut Direct, &NoHooks, Some(cache))
+        self.forward_inner(ids, &mut Direct, None, Some(cache))
+    }
+
+    /// The final hidden states (after the last norm), the input of the LM head: what
+    /// [`forward_with`](Self::forward_with) computes before [`head_weight`](Self::head_weight)
+    /// turns it into logits. With [`chunked_cross_entropy`](crate::train::chunked_cross_entropy)
+    /// this trains without ever holding the full-vocabulary logits.
+    ///
+    /// # Shapes
+    /// - ids: `[batch, seq]`
+    /// - output: `[batch, seq, hidden]`
+    pub fn hidden_with<R: UnitRunner<B>>(&self, ids: Tensor<B, 2, Int>, runner: &mut R) -> Tensor<B, 3> {
+        self.hidden(ids, runner, None, None)
+    }
+
+    /// [`hidden_with`](Self::hidden_with) with `hooks` (see [`forward_hooked`](Self::forward_hooked)).
+    pub fn hidden_hooked<R: UnitRunner<B>>(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        runner: &mut R,
+        hooks: &dyn ModuleHooks<B>,
+    ) -> Tensor<B, 3> {
+        self.hidden(ids, runner, Some(hooks), None)
+    }
+
+    /// The LM head's weight, `[vocab, hidden]`: `lm_head.weight`, or the embedding when the
+    /// head is tied. `logits = hidden · weightᵀ`.
+    pub fn head_weight(&self) -> Tensor<B, 2> {
+        match &self.lm_head {
+            Some(head) => head.weight.val(),
+            None => self.model.embed_tokens.weight.val(),
+        }
     }
 
     fn forward_inner<R: UnitRunner<B>>(
         &self,
         ids: Tensor<B, 2, Int>,
         runner: &mut R,
-        hooks: &dyn ModuleHooks<B>,
+        hooks: Option<&dyn ModuleHooks<B>>,
+        cache: Option<&mut KvCache<B>>,
+    ) -> Tensor<B, 3> {
+        let x = self.hidden(ids, runner, hooks, cache);
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(x),
+            None => Linear { weight: self.model.embed_tokens.weight.clone() }.forward(x),
+        };
+        logits.cast(DType::F32)
+    }
+
+    fn hidden<R: UnitRunner<B>>(
+        &self,
+        ids: Tensor<B, 2, Int>,
+        runner: &mut R,
+        hooks: Option<&dyn ModuleHooks<B>>,
         mut cache: Option<&mut KvCache<B>>,
     ) -> Tensor<B, 3> {
         let device = ids.device();
@@ -501,15 +548,19 @@ impl<B: Backend> Qwen3<B> {
         let rope = Rope::new(self.head_dim, self.rope_theta, past, t, &device);
         let mut x = self.model.embed_tokens.forward(ids);
         for (i, layer) in self.model.layers.iter().enumerate() {
-            let cache = cache.as_deref_mut().map(|c| (c, i));
-            x = runner.run(layer, x, |layer, x| layer.forward(x, &rope, cache, hooks));
+            x = match (hooks, cache.as_deref_mut()) {
+                // A layer that only reads its input and the rope tables can run again
+                // (activation checkpointing).
+                (None, None) => {
+                    let rope = rope.clone();
+                    runner.run_recomputable(layer, x, move |layer, x| layer.forward(x, &rope, None, &NoHooks))
+                }
+                (hooks, cache) => runner.run(layer, x, |layer, x| {
+                    layer.forward(x, &rope, cache.map(|c| (c, i)), hooks.unwrap_or(&NoHooks))
+                }),
+            };
         }
-        let x = self.model.norm.forward(x);
-        let logits = match &self.lm_head {
-            Some(head) => head.forward(x),
-            None => Linear { weight: self.model.embed_tokens.weight.clone() }.forward(x),
-        };
-        logits.cast(DType::F32)
+        self.model.norm.forward(x)
     }
 }
 

@@ -3,8 +3,8 @@
 use std::path::Path;
 
 use burn::tensor::activation::log_softmax;
-use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData};
 
 use crate::checkpoint::SafetensorsFile;
 use crate::error::{Qwen3Error, Result};
@@ -20,6 +20,79 @@ pub fn cross_entropy<B: Backend>(logits: Tensor<B, 3>, labels: Tensor<B, 2, Int>
     let logp = log_softmax(logits.reshape([b * t, v]), 1);
     let picked = logp.gather(1, labels.reshape([b * t, 1]));
     picked.mean().neg()
+}
+
+/// [`cross_entropy`] of the LM head's logits `hidden · headᵀ`, computed `chunk` token rows at
+/// a time: the `[tokens, vocab]` logits (and their log-softmax) never exist at once, only
+/// `[chunk, vocab]` pieces of them. Same value and gradients as
+/// `cross_entropy(hidden · headᵀ, labels)` (up to summation order).
+///
+/// The gradients with respect to `hidden` and `head` are computed here, during the forward
+/// pass, chunk by chunk, and handed to autodiff through a surrogate whose gradient they are:
+/// backward then costs two elementwise products. Any scaling of the loss afterwards (`/ k`
+/// for gradient accumulation, …) scales them as it should. Use [`cross_entropy`] where no
+/// backward follows (evaluation), since this one always computes the gradients.
+///
+/// # Shapes
+/// - hidden: `[batch, seq, hidden]` (the model's final hidden states,
+///   [`Qwen3::hidden_with`](crate::Qwen3::hidden_with))
+/// - head: `[vocab, hidden]` ([`Qwen3::head_weight`](crate::Qwen3::head_weight))
+/// - labels: `[batch, seq]`
+/// - output: `[1]`
+///
+/// # Panics
+/// If `hidden` and `head` disagree on the hidden size, or `chunk` is 0.
+pub fn chunked_cross_entropy<B: AutodiffBackend>(
+    hidden: Tensor<B, 3>,
+    head: Tensor<B, 2>,
+    labels: Tensor<B, 2, Int>,
+    chunk: usize,
+) -> Tensor<B, 1> {
+    let [b, t, d] = hidden.dims();
+    let [v, d_head] = head.dims();
+    assert_eq!(d, d_head, "hidden states [.., {d}] do not fit an LM head of shape [{v}, {d_head}]");
+    assert!(chunk > 0, "chunked_cross_entropy needs a chunk of at least one row");
+    let n = b * t;
+    let hidden = hidden.reshape([n, d]);
+    let (h, w) = (hidden.clone().inner(), head.clone().inner());
+    let labels = labels.inner().reshape([n, 1]);
+    let device = h.device();
+    let (h_dtype, w_dtype) = (h.dtype(), w.dtype());
+    let f32 = |x: Tensor<B::InnerBackend, 2>| if x.dtype() == DType::F32 { x } else { x.cast(DType::F32) };
+    let wt = w.clone().transpose();
+    let mut loss_sum = Tensor::<B::InnerBackend, 1>::zeros([1], &device);
+    let mut d_hidden = Vec::with_capacity(n.div_ceil(chunk));
+    let mut d_head = Tensor::<B::InnerBackend, 2>::zeros([v, d], &device).cast(w_dtype);
+    for start in (0..n).step_by(chunk) {
+        let rows = chunk.min(n - start);
+        let h_c = h.clone().narrow(0, start, rows);
+        let l_c = labels.clone().narrow(0, start, rows);
+        let logits = f32(h_c.clone().matmul(wt.clone()));
+        let shifted = logits.clone() - logits.max_dim(1);
+        let exp = shifted.clone().exp();
+        let sum = exp.clone().sum_dim(1);
+        // -log p(label) = log Σ exp(shifted) - shifted[label]
+        loss_sum = loss_sum + (sum.clone().log() - shifted.gather(1, l_c.clone())).sum();
+        // ∂/∂logits of the mean: (softmax - onehot(label)) / n
+        let minus_one = Tensor::<B::InnerBackend, 2>::full([rows, 1], -1.0, &device);
+        let d_logits = (exp / sum).scatter(1, l_c, minus_one, IndexingUpdateOp::Add).div_scalar(n as f64);
+        let d_logits = if w_dtype == DType::F32 { d_logits } else { d_logits.cast(w_dtype) };
+        d_hidden.push(d_logits.clone().matmul(w.clone()));
+        d_head = d_head + d_logits.transpose().matmul(h_c);
+    }
+    let d_hidden = Tensor::cat(d_hidden, 0);
+    let d_hidden = if d_hidden.dtype() == h_dtype { d_hidden } else { d_hidden.cast(h_dtype) };
+    // A surrogate whose gradients are exactly (d_hidden, d_head), shifted to the loss's value.
+    let surrogate = (hidden * Tensor::from_inner(d_hidden)).sum() + (head * Tensor::from_inner(d_head)).sum();
+    let surrogate = if surrogate.dtype() == DType::F32 { surrogate } else { surrogate.cast(DType::F32) };
+    let value = Tensor::<B, 1>::from_inner(loss_sum.div_scalar(n as f64));
+    surrogate.clone() - surrogate.detach() + value
+}
+
+/// A chunk size for [`chunked_cross_entropy`] that keeps each `[chunk, vocab]` f32 piece
+/// near `bytes` (at least one row).
+pub fn loss_chunk_rows(vocab: usize, bytes: usize) -> usize {
+    (bytes / (4 * vocab.max(1))).max(1)
 }
 
 /// Splits token rows `[rows, seq + 1]` into inputs `[:, :-1]` and labels `[:, 1:]`.

@@ -207,3 +207,63 @@ fn nothing_is_kept_alive_between_steps() {
     let extra = with[4] - without[4];
     assert!(extra < shards / 4, "prefetch keeps {extra} more bytes alive between steps (shards: {shards})");
 }
+
+/// Activation checkpointing keeps only each layer's input through forward: the live bytes
+/// when forward ends (before backward) fall by the activations of the layers, and the
+/// gradients are the same (single device; tests/tests/fsdp_core.rs checks FSDP training).
+#[test]
+fn activation_checkpointing_keeps_only_layer_inputs() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    use burn::optim::GradientsParams;
+    use qwen3_burn::train::{chunked_cross_entropy, inputs_and_labels};
+    type AB = Autodiff<NdArray<f32>>;
+    let device = Default::default();
+    let mut config = config();
+    config.num_hidden_layers = 4;
+    config.max_position_embeddings = 256;
+    let model = Qwen3::<AB>::new_seeded(&config, qwen3_burn::Qwen3Init::new(3), &device);
+    let (rows, seq) = (2, 256);
+    let v = config.vocab_size as i64;
+    let tokens: Vec<i64> = (0..rows * (seq + 1)).map(|i| (i as i64 * 7 + 3) % v).collect();
+    let tokens =
+        Tensor::<AB, 2, Int>::from_data(burn::tensor::TensorData::new(tokens, [rows, seq + 1]), &device);
+    let (inputs, labels) = inputs_and_labels(tokens);
+    // Touch every parameter once (lazy initialisation) before measuring.
+    let _ = model.forward(inputs.clone().narrow(1, 0, 1));
+    let loss_of =
+        |m: &Qwen3<AB>, h: Tensor<AB, 3>| chunked_cross_entropy(h, m.head_weight(), labels.clone(), 64);
+    let base = tests::alloc::live();
+    let loss = loss_of(&model, model.hidden_with(inputs.clone(), &mut burn_fsdp::Direct));
+    let kept_plain = tests::alloc::live() - base;
+    let plain = GradientsParams::from_grads(loss.backward(), &model);
+    let base = tests::alloc::live();
+    let run = burn_fsdp::activation::checkpointed(|r| loss_of(&model, model.hidden_with(inputs.clone(), r)));
+    let kept_ac = tests::alloc::live() - base;
+    assert_eq!(run.num_checkpointed(), config.num_hidden_layers);
+    let ac = run.gradients(&model);
+    // What checkpointing may keep: each layer's input and output leaf ([rows, seq, hidden]
+    // each) plus the loss's own gradients (hidden-sized and head-sized).
+    let act = (rows * seq * config.hidden_size * 4) as isize;
+    let head = (config.vocab_size * config.hidden_size * 4) as isize;
+    eprintln!("kept after forward: {kept_plain} B without checkpointing, {kept_ac} B with");
+    assert!(
+        kept_ac <= 2 * act * config.num_hidden_layers as isize + 2 * act + 2 * head,
+        "checkpointed forward kept {kept_ac} B"
+    );
+    assert!(kept_ac * 3 < kept_plain, "checkpointing kept {kept_ac} B, plain {kept_plain} B");
+    // Same gradients.
+    struct Compare<'a>(&'a GradientsParams, &'a GradientsParams, usize);
+    impl burn::module::ModuleVisitor<AB> for Compare<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<Tensor<AB, D>>) {
+            let a = self.0.get::<NdArray<f32>, D>(p.id).unwrap().into_data().to_vec::<f32>().unwrap();
+            let b = self.1.get::<NdArray<f32>, D>(p.id).unwrap().into_data().to_vec::<f32>().unwrap();
+            let num: f64 = a.iter().zip(&b).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
+            let den: f64 = a.iter().map(|a| (*a as f64).powi(2)).sum();
+            assert!((num / den.max(1e-30)).sqrt() < 1e-6, "a gradient differs: {}", (num / den).sqrt());
+            self.2 += 1;
+        }
+    }
+    let mut cmp = Compare(&plain, &ac, 0);
+    model.visit(&mut cmp);
+    assert!(cmp.2 > 0);
+}

@@ -137,3 +137,62 @@ fn adamw_and_clipping_match_pytorch_on_raw_tensors() {
         }
     }
 }
+
+/// `chunked_cross_entropy` (the loss train-qwen3 uses) against `cross_entropy` of the full
+/// logits on the fixtures' models (tied and untied head): same loss and the same gradient for
+/// every parameter, at chunk sizes that divide the tokens, do not, are 1, and exceed them; and
+/// a scaled loss (gradient accumulation's `/ k`) scales every gradient.
+#[test]
+fn chunked_loss_matches_full_logits_tied_and_untied() {
+    use burn::module::Module;
+    use burn::tensor::Int;
+    use qwen3_burn::Qwen3;
+    use qwen3_burn::train::{chunked_cross_entropy, cross_entropy};
+    let device = Default::default();
+    for case in ["qwen3-tiny-a", "qwen3-tiny-b"] {
+        let (model, config) = Qwen3::<AB>::load(fixture(case), &device).unwrap();
+        let v = config.vocab_size as i64;
+        let tokens: Vec<i64> = (0..2 * 9).map(|i| (i * 37 + 5) % v).collect();
+        let tokens = Tensor::<AB, 2, Int>::from_data(TensorData::new(tokens, [2, 9]), &device);
+        let (inputs, labels) = qwen3_burn::train::inputs_and_labels(tokens);
+        let grads_of = |loss: Tensor<AB, 1>| -> (f64, Vec<Vec<f32>>) {
+            let value = loss.clone().into_scalar() as f64;
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            let mut collect = CollectGrads { grads: &grads, out: Vec::new() };
+            model.visit(&mut collect);
+            let out = collect.out;
+            (value, out)
+        };
+        let (want_loss, want) = grads_of(cross_entropy(model.forward(inputs.clone()), labels.clone()));
+        for chunk in [1, 5, 16, 1000] {
+            for scale in [1.0, 3.0] {
+                let hidden = model.hidden_with(inputs.clone(), &mut burn_fsdp::Direct);
+                let loss = chunked_cross_entropy(hidden, model.head_weight(), labels.clone(), chunk);
+                let (loss, got) = grads_of(loss.div_scalar(scale));
+                let rel = (loss * scale - want_loss).abs() / want_loss;
+                assert!(rel < 1e-6, "{case} chunk {chunk}: loss {} vs {want_loss}", loss * scale);
+                assert_eq!(got.len(), want.len());
+                for (g, w) in got.iter().zip(&want) {
+                    let num: f64 =
+                        g.iter().zip(w).map(|(g, w)| (*g as f64 * scale - *w as f64).powi(2)).sum();
+                    let den: f64 = w.iter().map(|w| (*w as f64).powi(2)).sum();
+                    let err = (num / den.max(1e-30)).sqrt();
+                    assert!(err < 1e-5, "{case} chunk {chunk} scale {scale}: gradient ‖Δ‖/‖ref‖ = {err:e}");
+                }
+            }
+        }
+    }
+}
+
+/// Every float parameter's gradient, in visiting order.
+struct CollectGrads<'a> {
+    grads: &'a GradientsParams,
+    out: Vec<Vec<f32>>,
+}
+
+impl burn::module::ModuleVisitor<AB> for CollectGrads<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+        let g = self.grads.get::<B, D>(param.id).expect("every parameter has a gradient");
+        self.out.push(g.into_data().to_vec::<f32>().unwrap());
+    }
+}

@@ -12,13 +12,15 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_fsdp::local::CollectiveTime;
-use burn_fsdp::{CollectiveKind, DeviceMesh, Fsdp, LocalGroup, ProcessGroup, ReduceOp, Tag, launch};
-use qwen3_burn::train::{cross_entropy, inputs_and_labels};
+use burn_fsdp::{CollectiveKind, DeviceMesh, Direct, Fsdp, LocalGroup, ProcessGroup, ReduceOp, Tag, launch};
+use qwen3_burn::train::{chunked_cross_entropy, cross_entropy, inputs_and_labels, loss_chunk_rows};
 use qwen3_burn::{Qwen3, Qwen3Config};
 
 use crate::Backend;
 use crate::data::synthetic_batches;
-use crate::train::{FsdpTrainBackend, MetricsSink, Setup, TrainArgs, fsdp_config, train_fsdp, train_single};
+use crate::train::{
+    FsdpTrainBackend, LOSS_CHUNK_BYTES, MetricsSink, Setup, TrainArgs, fsdp_config, train_fsdp, train_single,
+};
 
 /// Arguments of `bench`.
 #[derive(Debug, Clone, clap::Args)]
@@ -33,6 +35,10 @@ pub struct BenchArgs {
     /// (default: `$PYTHON`, else `python3`).
     #[arg(long)]
     pub python: Option<PathBuf>,
+    /// Only the activation-memory figures (one 2048-token sequence through 2 layers of
+    /// Qwen3-0.6B with and without the chunked loss and activation checkpointing).
+    #[arg(long, conflicts_with = "quick")]
+    pub activation_memory_only: bool,
 }
 
 // ---------------------------------------------------------------------------------------
@@ -320,6 +326,85 @@ fn rank_memory(
     })
 }
 
+/// Activation memory of one long sequence at Qwen3-0.6B width (2 of its layers), with the
+/// loss over full-vocabulary logits, in chunks, and in chunks with block checkpointing.
+fn activation_memory() -> Result<Vec<(String, f64)>> {
+    let mut figures = Vec::new();
+    if live_bytes().is_none() {
+        println!(
+            "[activation memory] skipped: the counting allocator is not installed (run through the `xtask` binary)"
+        );
+        return Ok(figures);
+    }
+    let mut config = Qwen3Config::qwen3_0_6b();
+    config.num_hidden_layers = 2;
+    let seq = 2048;
+    let full = activation_peak(&config, seq, ActivationPaths::FullLogits)?;
+    let chunked = activation_peak(&config, seq, ActivationPaths::ChunkedLoss)?;
+    let ac = activation_peak(&config, seq, ActivationPaths::ChunkedLossAndCheckpointing)?;
+    let mib = |b: isize| b as f64 / f64::from(1 << 20);
+    println!(
+        "[activation memory] Qwen3-0.6B width, 2 layers ({} parameters; their gradients {:.0} MiB), one {seq}-token \
+         sequence, forward + backward on one device, peak above the model: {:.0} MiB with the loss over \
+         full-vocabulary logits, {:.0} MiB with the chunked loss (pieces of {} MiB), {:.0} MiB with the chunked \
+         loss and block activation checkpointing",
+        config.num_params(),
+        mib(4 * config.num_params() as isize),
+        mib(full),
+        mib(chunked),
+        LOSS_CHUNK_BYTES >> 20,
+        mib(ac),
+    );
+    figures.push((
+        "qwen3_06b_2layer_seq2048_chunked_loss_vs_full_logits_peak_ratio".into(),
+        chunked as f64 / full as f64,
+    ));
+    figures.push((
+        "qwen3_06b_2layer_seq2048_chunked_loss_and_checkpointing_vs_full_logits_peak_ratio".into(),
+        ac as f64 / full as f64,
+    ));
+    Ok(figures)
+}
+
+/// Which activation-memory paths [`activation_peak`] uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ActivationPaths {
+    /// Loss over the full-vocabulary logits (`cross_entropy`).
+    FullLogits,
+    /// `chunked_cross_entropy`.
+    ChunkedLoss,
+    /// `chunked_cross_entropy` and block activation checkpointing.
+    ChunkedLossAndCheckpointing,
+}
+
+/// Peak live bytes above the model (built eagerly before measuring) of one forward and
+/// backward of one `seq`-token sequence through `config` on one device. The gradients
+/// themselves (4Ψ bytes) are part of every peak.
+fn activation_peak(config: &Qwen3Config, seq: usize, paths: ActivationPaths) -> Result<isize> {
+    type Ad = burn::backend::Autodiff<Backend>;
+    let device = crate::device();
+    let model = config.init::<Ad>(&device);
+    let tokens = synthetic_batches(1, 1, seq, config.vocab_size, 0).rows::<Ad>(0, 0..1, &device);
+    let (inputs, labels) = inputs_and_labels(tokens);
+    let chunk = loss_chunk_rows(config.vocab_size, LOSS_CHUNK_BYTES);
+    let baseline = live_bytes().context("the counting allocator is not installed")?;
+    PEAK.store(baseline, Ordering::Relaxed);
+    match paths {
+        ActivationPaths::FullLogits => drop(cross_entropy(model.forward(inputs), labels).backward()),
+        ActivationPaths::ChunkedLoss => {
+            let hidden = model.hidden_with(inputs, &mut Direct);
+            drop(chunked_cross_entropy(hidden, model.head_weight(), labels, chunk).backward())
+        }
+        ActivationPaths::ChunkedLossAndCheckpointing => {
+            let run = burn_fsdp::activation::checkpointed(|r| {
+                chunked_cross_entropy(model.hidden_with(inputs, r), model.head_weight(), labels, chunk)
+            });
+            drop(run.backward())
+        }
+    }
+    Ok(PEAK.load(Ordering::Relaxed) - baseline)
+}
+
 // ---------------------------------------------------------------------------------------
 // PyTorch side by side.
 
@@ -392,6 +477,11 @@ fn torch_figures(
 
 /// Runs every benchmark and prints the headline figures.
 pub fn run(args: &BenchArgs) -> Result<Vec<(String, f64)>> {
+    if args.activation_memory_only {
+        let figures = activation_memory()?;
+        print_figures(&figures);
+        return Ok(figures);
+    }
     let mut figures: Vec<(String, f64)> = Vec::new();
     let tiny = Qwen3Config::from_json_str(
         r#"{"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -552,6 +642,10 @@ pub fn run(args: &BenchArgs) -> Result<Vec<(String, f64)>> {
         );
     }
 
+    if !args.quick {
+        figures.extend(activation_memory()?);
+    }
+
     match (torch_headline, &missing) {
         (Some(t), _) => figures.extend(t),
         (None, Some(why)) => {
@@ -573,12 +667,17 @@ pub fn run(args: &BenchArgs) -> Result<Vec<(String, f64)>> {
         .map(|(_, v)| *v)
         .unwrap_or(f64::NAN);
     figures.push(("fsdp_w4_vs_single_tokens_per_sec_ratio".into(), headline));
-    for (name, value) in &figures {
+    print_figures(&figures);
+    Ok(figures)
+}
+
+/// One `name: value` line per figure.
+fn print_figures(figures: &[(String, f64)]) {
+    for (name, value) in figures {
         if value.abs() >= 100.0 {
             println!("{name}: {value:.0}");
         } else {
             println!("{name}: {value:.3}");
         }
     }
-    Ok(figures)
 }

@@ -9,16 +9,17 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::{DType, ElementConversion};
+use burn::tensor::{DType, ElementConversion, Int, Tensor};
+use burn_fsdp::activation::checkpointed;
 use burn_fsdp::checkpoint::{CheckpointIndex, INDEX_FILE, read_index};
 use burn_fsdp::offload::OffloadPolicy;
 use burn_fsdp::tp::TensorParallel;
 use burn_fsdp::{
-    DeviceMesh, Fsdp, FsdpConfig, LocalGroup, MixedPrecisionPolicy, ReduceOp, TorchAdamWConfig,
-    clip_grad_norm, launch,
+    DeviceMesh, Direct, Fsdp, FsdpBackend, FsdpConfig, LocalGroup, MixedPrecisionPolicy, ReduceOp,
+    TorchAdamWConfig, clip_grad_norm, launch,
 };
 use qwen3_burn::checkpoint::{TensorOut, write_safetensors};
-use qwen3_burn::train::{Batches, cross_entropy, inputs_and_labels};
+use qwen3_burn::train::{Batches, chunked_cross_entropy, inputs_and_labels, loss_chunk_rows};
 use qwen3_burn::{Qwen3, Qwen3Config, Qwen3Init};
 use serde::Serialize;
 
@@ -146,6 +147,11 @@ pub struct TrainArgs {
     /// bf16); `fp32` (the default) changes nothing.
     #[arg(long, value_enum, default_value_t = Precision::Fp32)]
     pub mixed_precision: Precision,
+    /// Block-level activation checkpointing: `none` (the default) keeps every activation for
+    /// backward; `block` keeps only each decoder layer's input and runs the layer again in
+    /// backward (PyTorch's `checkpoint_wrapper` per layer; about one more forward of compute).
+    #[arg(long, value_enum, default_value_t = ActivationCheckpointing::None)]
+    pub activation_checkpointing: ActivationCheckpointing,
     /// Print nothing but errors.
     #[arg(long)]
     pub quiet: bool,
@@ -187,6 +193,16 @@ pub struct TrainArgs {
     /// error (and so does the job).
     #[arg(long, default_value_t = 120.0)]
     pub timeout: f64,
+}
+
+/// `--activation-checkpointing` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ActivationCheckpointing {
+    /// Keep every activation for backward.
+    None,
+    /// Keep each decoder layer's input only; run the layer again in backward.
+    Block,
 }
 
 /// `--launcher` values.
@@ -652,6 +668,14 @@ fn refuse_ignored_flags(args: &TrainArgs) -> Result<()> {
         if args.reshard_after_forward.is_some() {
             ignored.push(("--reshard-after-forward", why));
         }
+    }
+    if args.activation_checkpointing == ActivationCheckpointing::Block
+        && args.mesh.is_some_and(|(_, tp)| tp > 1)
+    {
+        ignored.push((
+            "--activation-checkpointing block",
+            "tensor-parallel layers run collectives inside them and are not recomputed",
+        ));
     }
     if args.launcher != Launcher::Mpi {
         let why = "it is for --launcher mpi";
@@ -1206,6 +1230,10 @@ fn print_comparison(first: &StepMetrics, last: &StepMetrics, c: &Comparison) {
     }
 }
 
+/// Bytes of one `[rows, vocab]` f32 piece of the chunked loss: the full-vocabulary logits of
+/// a batch never exist at once, only pieces of about this size.
+pub const LOSS_CHUNK_BYTES: usize = 64 << 20;
+
 /// Steps of the synthetic default run when `--steps` is not given.
 pub const DEFAULT_STEPS: usize = 20;
 
@@ -1243,7 +1271,7 @@ pub fn train_single(args: &TrainArgs, setup: Setup, sink: &MetricsSink) -> Resul
 }
 
 /// Single-device training on any autodiff backend and device.
-pub fn train_single_on<AB: burn::tensor::backend::AutodiffBackend>(
+pub fn train_single_on<AB: FsdpBackend>(
     args: &TrainArgs,
     setup: Setup,
     sink: &MetricsSink,
@@ -1266,9 +1294,23 @@ pub fn train_single_on<AB: burn::tensor::backend::AutodiffBackend>(
         for m in 0..micro {
             let tokens = batches.rows::<AB>(step, m * rows_per_micro..(m + 1) * rows_per_micro, &device);
             let (inputs, labels) = inputs_and_labels(tokens);
-            let loss = cross_entropy(model.forward(inputs), labels).div_scalar(micro as f64);
-            loss_sum += loss.clone().into_scalar().elem::<f64>();
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            let chunk = loss_chunk_rows(config.vocab_size, LOSS_CHUNK_BYTES);
+            let loss_of = |runner: &mut dyn FnMut(Tensor<AB, 2, Int>) -> Tensor<AB, 3>| {
+                chunked_cross_entropy(runner(inputs), model.head_weight(), labels, chunk)
+                    .div_scalar(micro as f64)
+            };
+            let grads = match args.activation_checkpointing {
+                ActivationCheckpointing::None => {
+                    let loss = loss_of(&mut |ids| model.hidden_with(ids, &mut Direct));
+                    loss_sum += loss.clone().into_scalar().elem::<f64>();
+                    GradientsParams::from_grads(loss.backward(), &model)
+                }
+                ActivationCheckpointing::Block => {
+                    let run = checkpointed(|runner| loss_of(&mut |ids| model.hidden_with(ids, runner)));
+                    loss_sum += run.loss().into_scalar().elem::<f64>();
+                    run.gradients(&model)
+                }
+            };
             accum.accumulate(&model, grads);
         }
         let mut grads = accum.grads();
@@ -1551,16 +1593,36 @@ fn fsdp_rank_steps<B: burn::tensor::backend::Backend>(
             let first_row = data_rank * rows_per_rank + m * rows_per_micro;
             let tokens = batches.rows::<Ad<B>>(step, first_row..first_row + rows_per_micro, &device);
             let (inputs, labels) = inputs_and_labels(tokens);
-            let logits = fsdp.forward(|model, runner| match &tp {
-                Some(tp) => model.forward_hooked(inputs, runner, &tp.hooks()),
-                None => model.forward_with(inputs, runner),
+            let chunk = loss_chunk_rows(config.vocab_size, LOSS_CHUNK_BYTES);
+            let loss_of = |model: &Qwen3<Ad<B>>, hidden: Tensor<Ad<B>, 3>| {
+                chunked_cross_entropy(hidden, model.head_weight(), labels, chunk).div_scalar(micro as f64)
+            };
+            let backward_gate = || match &gate {
+                Some(gate) => gate.barrier(&burn_fsdp::Tag::new("backward-gate")),
+                None => Ok(()),
+            };
+            grads = Some(match (args.activation_checkpointing, &tp) {
+                (ActivationCheckpointing::Block, None) => {
+                    let run = fsdp.forward_checkpointed(|model, runner| {
+                        loss_of(model, model.hidden_with(inputs, runner))
+                    });
+                    loss_sum += run.loss().into_scalar().elem::<f64>();
+                    backward_gate()?;
+                    fsdp.backward_checkpointed(run)
+                }
+                (_, tp) => {
+                    let loss = fsdp.forward(|model, runner| {
+                        let hidden = match tp {
+                            Some(tp) => model.hidden_hooked(inputs, runner, &tp.hooks()),
+                            None => model.hidden_with(inputs, runner),
+                        };
+                        loss_of(model, hidden)
+                    });
+                    loss_sum += loss.clone().into_scalar().elem::<f64>();
+                    backward_gate()?;
+                    fsdp.gradients(loss.backward())
+                }
             });
-            let loss = cross_entropy(logits, labels).div_scalar(micro as f64);
-            loss_sum += loss.clone().into_scalar().elem::<f64>();
-            if let Some(gate) = &gate {
-                gate.barrier(&burn_fsdp::Tag::new("backward-gate"))?;
-            }
-            grads = Some(fsdp.gradients(loss.backward()));
         }
         let mut grads = grads.context("no micro-batch ran")?;
         let grad_norm = match &tp {
