@@ -339,10 +339,18 @@ fn activation_memory() -> Result<Vec<(String, f64)>> {
     let mut config = Qwen3Config::qwen3_0_6b();
     config.num_hidden_layers = 2;
     let seq = 2048;
-    let full = activation_peak(&config, seq, ActivationPaths::FullLogits)?;
-    let chunked = activation_peak(&config, seq, ActivationPaths::ChunkedLoss)?;
-    let ac = activation_peak(&config, seq, ActivationPaths::ChunkedLossAndCheckpointing)?;
     let mib = |b: isize| b as f64 / f64::from(1 << 20);
+    let mut peaks = Vec::new();
+    for paths in [
+        ActivationPaths::FullLogits,
+        ActivationPaths::ChunkedLoss,
+        ActivationPaths::ChunkedLossAndCheckpointing,
+    ] {
+        let peak = activation_peak(&config, seq, paths)?;
+        println!("[activation memory] {paths:?}: peak {:.0} MiB above the model", mib(peak));
+        peaks.push(peak);
+    }
+    let [full, chunked, ac] = peaks[..] else { anyhow::bail!("three measurements expected") };
     println!(
         "[activation memory] Qwen3-0.6B width, 2 layers ({} parameters; their gradients {:.0} MiB), one {seq}-token \
          sequence, forward + backward on one device, peak above the model: {:.0} MiB with the loss over \
