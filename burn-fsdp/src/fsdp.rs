@@ -24,6 +24,7 @@ use crate::param::ShardedParam;
 use crate::prefetch::{PrefetchStats, Prefetcher};
 use crate::runner::UnitRunner;
 use crate::unit::FsdpUnit;
+use crate::view::{ParamView, ViewGroup};
 
 mod eval;
 pub use eval::FsdpEvalRunner;
@@ -1184,10 +1185,8 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
                 B::fsdp_all_gather(parts, anchor, unit.comm.clone(), reshard)
             }
         };
-        let gathered = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(full))
-            .reshape([self.world(), unit.shard_len()]);
-        let mut mapper = Unsharder { unit, gathered };
-        module.map(&mut mapper)
+        let group = ViewGroup::new(self.world(), unit.shard_len());
+        module.map(&mut ParamViews { unit, gathered: full, group })
     }
 }
 
@@ -1355,6 +1354,26 @@ impl<I: Backend, X: Backend> ModuleMapper<X> for Unsharder<'_, I, X> {
         let p = &self.unit.params[i];
         let cols = self.gathered.clone().narrow(1, self.unit.offsets[i], p.shard_numel());
         Param::from_mapped_value(id, p.unshard(cols), mapper)
+    }
+}
+
+/// Replaces the shards of one unit's parameters by their views of the gathered buffer
+/// (training forward: [`FsdpBackend::fsdp_param_view`]).
+struct ParamViews<'a, B: FsdpBackend> {
+    unit: &'a FsdpUnit<B::InnerBackend>,
+    gathered: FloatTensor<B>,
+    group: Arc<ViewGroup>,
+}
+
+impl<B: FsdpBackend> ModuleMapper<B> for ParamViews<'_, B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let Some(i) = self.unit.index_of(id) else {
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
+        let view = ParamView::of(&self.unit.params[i], self.unit.offsets[i]);
+        let full = B::fsdp_param_view(&self.gathered, view, &self.group);
+        Param::from_mapped_value(id, Tensor::from_primitive(TensorPrimitive::Float(full)), mapper)
     }
 }
 

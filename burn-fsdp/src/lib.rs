@@ -15,7 +15,7 @@
 //!
 //! Module layout follows PyTorch's `_fully_shard/`: one concept per file — [`param`] (the
 //! sharded parameter), [`unit`] (the parameter group), [`collectives`], [`op`] (the autodiff
-//! hooks), `replicas` (rank 0's values broadcast at wrap), [`init`] (deferred, per-shard
+//! hooks), [`view`] (the parameters cut out of a gathered unit), `replicas` (rank 0's values broadcast at wrap), [`init`] (deferred, per-shard
 //! initialisation: [`Fsdp::wrap_deferred`]), [`fsdp`] (the public API).
 #![warn(missing_docs)]
 
@@ -41,6 +41,7 @@ pub mod runner;
 pub mod tcp;
 pub mod tp;
 pub mod unit;
+pub mod view;
 
 pub use comm::{CollectiveFailure, CollectiveKind, CommError, CommStats, ProcessGroup, ReduceOp, Tag};
 pub use fsdp::{

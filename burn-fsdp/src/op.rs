@@ -34,6 +34,7 @@ use burn::tensor::{DType, Shape, Tensor, TensorMetadata, TensorPrimitive};
 
 use crate::collectives::{Phase, UnitComm};
 use crate::offload::HostStore;
+use crate::view::{ParamView, ViewGroup};
 use burn::module::ParamId;
 
 /// Units with at most this many parameters (plus the anchor) gather without keeping a
@@ -63,6 +64,15 @@ pub trait FsdpBackend: AutodiffBackend {
         recompute: bool,
     ) -> FloatTensor<Self>;
 
+    /// Parameter `view` cut out of a unit's gathered buffer (`[world · unit_len]`, the output
+    /// of [`fsdp_all_gather`](Self::fsdp_all_gather)), differentiably: the backward of all
+    /// views of one `group` adds into a single gradient buffer ([`crate::view`]).
+    fn fsdp_param_view(
+        gathered: &FloatTensor<Self>,
+        view: ParamView,
+        group: &Arc<ViewGroup>,
+    ) -> FloatTensor<Self>;
+
     /// Whether a memory-bound op is recomputed in backward (true for
     /// `Autodiff<_, BalancedCheckpointing>`), which `reshard_after_forward` relies on.
     fn recomputes() -> bool;
@@ -76,8 +86,14 @@ pub trait FsdpBackend: AutodiffBackend {
 }
 
 fn wrap<B: Backend>(t: B::FloatTensorPrimitive) -> Tensor<B, 1> {
-    let n = t.shape().num_elements();
-    Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::float_reshape(t, Shape::new([n]))))
+    // A reshape copies on some backends (NdArray), even to the same shape.
+    let t = if t.shape().num_dims() == 1 {
+        t
+    } else {
+        let n = t.shape().num_elements();
+        B::float_reshape(t, Shape::new([n]))
+    };
+    Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t))
 }
 
 fn flat_concat<B: Backend>(pieces: Vec<B::FloatTensorPrimitive>) -> Tensor<B, 1> {
@@ -290,6 +306,14 @@ impl<B: Backend, C: CheckpointStrategy> FsdpBackend for Autodiff<B, C> {
         let output = output.into_primitive().tensor();
         let kind = Parents::Host(host, ids);
         register::<B, C, 1>(&[&anchor], 0, kind, unit, recompute, output)
+    }
+
+    fn fsdp_param_view(
+        gathered: &FloatTensor<Self>,
+        view: ParamView,
+        group: &Arc<ViewGroup>,
+    ) -> FloatTensor<Self> {
+        crate::view::param_view::<B, C>(gathered, view, group)
     }
 
     fn recomputes() -> bool {

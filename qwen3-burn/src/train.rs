@@ -59,7 +59,6 @@ pub fn chunked_cross_entropy<B: AutodiffBackend>(
     let device = h.device();
     let (h_dtype, w_dtype) = (h.dtype(), w.dtype());
     let f32 = |x: Tensor<B::InnerBackend, 2>| if x.dtype() == DType::F32 { x } else { x.cast(DType::F32) };
-    let wt = w.clone().transpose();
     let mut loss_sum = Tensor::<B::InnerBackend, 1>::zeros([1], &device);
     let mut d_hidden = Vec::with_capacity(n.div_ceil(chunk));
     let mut d_head = Tensor::<B::InnerBackend, 2>::zeros([v, d], &device).cast(w_dtype);
@@ -67,7 +66,13 @@ pub fn chunked_cross_entropy<B: AutodiffBackend>(
         let rows = chunk.min(n - start);
         let h_c = h.clone().narrow(0, start, rows);
         let l_c = labels.clone().narrow(0, start, rows);
-        let logits = f32(h_c.clone().matmul(wt.clone()));
+        // h_c · headᵀ computed as (head · h_cᵀ)ᵀ: the [vocab, hidden] head is read in its
+        // own layout and only the chunk's small [rows, hidden] block is transposed (a
+        // transposed operand is copied element by element on CPU backends, the head once per
+        // chunk otherwise). Each logit is the same dot product either way; the reshape lays
+        // the chunk's logits out row-major again, so the reductions below sum in the same order.
+        let logits = w.clone().matmul(h_c.clone().transpose()).transpose().reshape([rows, v]);
+        let logits = f32(logits);
         let shifted = logits.clone() - logits.max_dim(1);
         let exp = shifted.clone().exp();
         let sum = exp.clone().sum_dim(1);

@@ -1,0 +1,297 @@
+//! The parameters of a gathered unit: each one cut out of the unit's all-gathered buffer by a
+//! differentiable op whose backward writes into **one** gradient buffer per unit.
+//!
+//! Built from Burn's own ops (`reshape` → `narrow` → `reshape` → `narrow`), a parameter's
+//! view would hand backward a zero-filled buffer of the whole gathered unit per parameter
+//! (the `narrow` backward), summed one after another: for a decoder layer of 11 parameters,
+//! 11 unit-sized allocations and 10 unit-sized additions per rank, where one buffer is enough.
+//! Here the first view whose backward runs allocates the gathered buffer's gradient and every
+//! other view adds its piece into that same buffer in place (FSDP2's reduce-scatter copy-in).
+//!
+//! The values are unchanged: each element of the buffer receives its parameter's gradient
+//! added to zero, as before. Like Burn's `narrow`, the op is memory-bound: under
+//! `BalancedCheckpointing` (`reshard_after_forward`) it is recomputed from the re-gathered
+//! buffer in backward instead of being kept.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use burn::backend::Autodiff;
+use burn::backend::autodiff::NodeId;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::retro_forward::RetroForward;
+use burn::backend::autodiff::checkpoint::state::BackwardStates;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Shape, Slice, TensorMetadata};
+
+use crate::param::ShardedParam;
+
+/// The gradient buffer shared by the views of one gather (one forward of one unit).
+#[derive(Debug)]
+pub struct ViewGroup {
+    world: usize,
+    unit_len: usize,
+    /// Whether a view's backward has registered the gathered buffer's gradient yet.
+    started: AtomicBool,
+}
+
+impl ViewGroup {
+    /// A group for a gathered buffer of `world` rows of `unit_len` elements.
+    pub fn new(world: usize, unit_len: usize) -> Arc<Self> {
+        Arc::new(Self { world, unit_len, started: AtomicBool::new(false) })
+    }
+}
+
+/// Where one parameter lies in its unit's gathered buffer.
+#[derive(Debug, Clone)]
+pub struct ParamView {
+    /// Offset of the parameter's shard in each rank's flat shard.
+    pub offset: usize,
+    /// Elements of one rank's shard of the parameter (padding included).
+    pub shard_numel: usize,
+    /// Rows per rank of dim 0 (padding included).
+    pub rows_per_rank: usize,
+    /// The parameter's unsharded shape.
+    pub global_shape: Vec<usize>,
+}
+
+impl ParamView {
+    /// The view of `param` at `offset` of its unit's flat shard.
+    pub fn of(param: &ShardedParam, offset: usize) -> Self {
+        Self {
+            offset,
+            shard_numel: param.shard_numel(),
+            rows_per_rank: param.rows_per_rank,
+            global_shape: param.global_shape.clone(),
+        }
+    }
+
+    fn padded_shape(&self, world: usize) -> Shape {
+        let mut padded = self.global_shape.clone();
+        if let Some(d0) = padded.first_mut() {
+            *d0 = self.rows_per_rank * world;
+        }
+        Shape::from(padded)
+    }
+
+    /// Where rank `r`'s shard of the parameter lies in the flat gathered buffer.
+    fn range(&self, r: usize, unit_len: usize) -> [Slice; 1] {
+        let start = r * unit_len + self.offset;
+        [Slice::from(start..start + self.shard_numel)]
+    }
+
+    /// The parameter's full value from the flat gathered buffer (`[world · unit_len]`).
+    ///
+    /// Built from 1-D pieces: a reshape copies on some backends (NdArray), so the gathered
+    /// buffer is never reshaped, only this parameter's part of it.
+    pub fn cut<B: Backend>(&self, gathered: FloatTensor<B>, world: usize, unit_len: usize) -> FloatTensor<B> {
+        let pieces: Vec<_> =
+            (0..world).map(|r| B::float_slice(gathered.clone(), &self.range(r, unit_len))).collect();
+        drop(gathered);
+        let flat =
+            if world == 1 { pieces.into_iter().next().expect("one piece") } else { B::float_cat(pieces, 0) };
+        let full = B::float_reshape(flat, self.padded_shape(world));
+        let d0 = self.global_shape.first().copied().unwrap_or(1);
+        if self.rows_per_rank * world == d0 || self.global_shape.is_empty() {
+            full
+        } else {
+            B::float_slice(full, &[Slice::from(0..d0)])
+        }
+    }
+
+    /// Adds `grad` (the parameter's gradient, `global_shape`) into its places in `buffer`
+    /// (`[world · unit_len]`, or a fresh zero buffer when `None`).
+    fn add_into<B: Backend>(
+        &self,
+        grad: FloatTensor<B>,
+        buffer: Option<FloatTensor<B>>,
+        world: usize,
+        unit_len: usize,
+    ) -> FloatTensor<B> {
+        let device = B::float_device(&grad);
+        let dtype = grad.dtype();
+        let mut buffer = match buffer {
+            Some(b) => b,
+            None => B::float_zeros(Shape::new([world * unit_len]), &device, dtype.into()),
+        };
+        let d0 = self.global_shape.first().copied().unwrap_or(1);
+        let row = self.shard_numel / self.rows_per_rank.max(1);
+        for r in 0..world {
+            // Rank r's rows of the parameter; rows past the end are padding (zero gradient).
+            let rows = (r * self.rows_per_rank).min(d0)..((r + 1) * self.rows_per_rank).min(d0);
+            if rows.is_empty() {
+                break;
+            }
+            let have = rows.len() * row;
+            // Flattened one rank's rows at a time: a reshape may copy (NdArray), and a copy
+            // of 1/world of the gradient is all this then holds at once.
+            let piece = B::float_slice(grad.clone(), &[Slice::from(rows)]);
+            let piece = if self.global_shape.len() == 1 {
+                piece
+            } else {
+                B::float_reshape(piece, Shape::new([have]))
+            };
+            let start = r * unit_len + self.offset;
+            let place = [Slice::from(start..start + have)];
+            // The slice is consumed by the addition, so the buffer is the assignment's only
+            // owner again and backends that can write in place do.
+            let sum = B::float_add(B::float_slice(buffer.clone(), &place), piece);
+            buffer = B::float_slice_assign(buffer, &place, sum);
+        }
+        buffer
+    }
+}
+
+#[derive(Debug)]
+struct ViewBackward {
+    view: ParamView,
+    group: Arc<ViewGroup>,
+}
+
+impl<B: Backend> Backward<B, 1> for ViewBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let Some(parent) = &ops.parents[0] else { return };
+        let (world, unit_len) = (self.group.world, self.group.unit_len);
+        // The parent is the all-gather op's output: `consume` takes a non-leaf's gradient out
+        // of the container, so registering it again does not add it twice. (A leaf's would
+        // stay: then each view registers a buffer of its own, which Burn adds.)
+        let is_leaf = parent.parents.is_empty();
+        let reuse = self.group.started.swap(true, Ordering::Relaxed) && !is_leaf;
+        let buffer = reuse.then(|| grads.consume::<B>(parent));
+        let buffer = self.view.add_into::<B>(grad, buffer, world, unit_len);
+        grads.register::<B>(parent.id, buffer);
+    }
+}
+
+/// Recomputes a view from the (re-gathered) buffer's state.
+#[derive(Debug)]
+struct RetroView<B> {
+    gathered: NodeId,
+    view: ParamView,
+    world: usize,
+    unit_len: usize,
+    _backend: PhantomData<fn() -> B>,
+}
+
+impl<B: Backend> RetroForward for RetroView<B> {
+    fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
+        let gathered = states.get_state::<B::FloatTensorPrimitive>(&self.gathered);
+        states.save(out_node, self.view.cut::<B>(gathered, self.world, self.unit_len));
+    }
+}
+
+/// Parameter `view` of the gathered buffer `gathered` (`[world · unit_len]` of `group`).
+pub(crate) fn param_view<B: Backend, C: CheckpointStrategy>(
+    gathered: &FloatTensor<Autodiff<B, C>>,
+    view: ParamView,
+    group: &Arc<ViewGroup>,
+) -> FloatTensor<Autodiff<B, C>> {
+    let (world, unit_len) = (group.world, group.unit_len);
+    let output = view.cut::<B>(gathered.primitive.clone(), world, unit_len);
+    let retro = RetroView::<B> {
+        gathered: gathered.node.id,
+        view: view.clone(),
+        world,
+        unit_len,
+        _backend: PhantomData,
+    };
+    match (ViewBackward { view, group: group.clone() })
+        .prepare::<C>([gathered.node.clone()])
+        .memory_bound()
+        .retro_forward(retro)
+        .parents([gathered])
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish((), output),
+        OpsKind::UnTracked(prep) => prep.finish(output),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::NdArray;
+    use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, NoCheckpointing};
+    use burn::module::ParamId;
+    use burn::tensor::backend::AutodiffBackend;
+    use burn::tensor::{Distribution, Tensor, TensorPrimitive};
+
+    /// The gathered buffer's gradient through the views equals, bit for bit, the one through
+    /// Burn's own reshape/narrow ops (the path this replaces), with padded parameters, a view
+    /// used twice (a tied weight), one never used, and values needed again in backward; the
+    /// gathered buffer an op's output (as in FSDP) or a leaf.
+    fn views_match_narrow<B: AutodiffBackend + crate::FsdpBackend>(leaf: bool) {
+        let device = Default::default();
+        let world = 3;
+        let shapes = [vec![5, 4], vec![7], vec![2, 3], vec![4, 2]];
+        let params: Vec<ShardedParam> =
+            shapes.iter().map(|s| ShardedParam::new(ParamId::new(), "p".into(), s.clone(), world)).collect();
+        let offsets: Vec<usize> = params
+            .iter()
+            .scan(0, |at, p| {
+                let o = *at;
+                *at += p.shard_numel();
+                Some(o)
+            })
+            .collect();
+        let unit_len: usize = params.iter().map(ShardedParam::shard_numel).sum();
+        let x0 =
+            Tensor::<B::InnerBackend, 1>::random([world * unit_len], Distribution::Normal(0.0, 1.0), &device);
+        // The loss: A used twice (tied), B and C through products whose backward needs them,
+        // D unused.
+        let loss = |a: Tensor<B, 2>, b: Tensor<B, 1>, c: Tensor<B, 2>| {
+            (a.clone() * a.clone()).sum()
+                + a.sum_dim(1).sum().mul_scalar(3.0)
+                + (b.clone() * b).sum()
+                + c.exp().sum()
+        };
+        let run = |ours: bool| {
+            let x = Tensor::<B, 1>::from_inner(x0.clone()).require_grad();
+            let gathered = if leaf { x.clone() } else { x.clone().mul_scalar(1.0) };
+            let (a, b, c): (Tensor<B, 2>, Tensor<B, 1>, Tensor<B, 2>) = if ours {
+                let group = ViewGroup::new(world, unit_len);
+                let g = gathered.into_primitive().tensor();
+                let cut = |i: usize| {
+                    let view = ParamView::of(&params[i], offsets[i]);
+                    TensorPrimitive::Float(B::fsdp_param_view(&g, view, &group))
+                };
+                (
+                    Tensor::from_primitive(cut(0)),
+                    Tensor::from_primitive(cut(1)),
+                    Tensor::from_primitive(cut(2)),
+                )
+            } else {
+                let rows = gathered.reshape([world, unit_len]);
+                let cols = |i: usize| rows.clone().narrow(1, offsets[i], params[i].shard_numel());
+                (params[0].unshard(cols(0)), params[1].unshard(cols(1)), params[2].unshard(cols(2)))
+            };
+            let value = loss(a, b, c);
+            let grads = value.backward();
+            (value.into_data(), x.grad(&grads).expect("a gradient").into_data())
+        };
+        let (value_ours, grad_ours) = run(true);
+        let (value_ref, grad_ref) = run(false);
+        assert_eq!(value_ours, value_ref);
+        assert_eq!(grad_ours, grad_ref);
+    }
+
+    #[test]
+    fn views_match_narrow_without_checkpointing() {
+        views_match_narrow::<Autodiff<NdArray, NoCheckpointing>>(false);
+        views_match_narrow::<Autodiff<NdArray, NoCheckpointing>>(true);
+    }
+
+    #[test]
+    fn views_match_narrow_recomputed_under_balanced_checkpointing() {
+        views_match_narrow::<Autodiff<NdArray, BalancedCheckpointing>>(false);
+        views_match_narrow::<Autodiff<NdArray, BalancedCheckpointing>>(true);
+    }
+}
