@@ -52,29 +52,20 @@ impl ViewGroup {
 pub struct ParamView {
     /// Offset of the parameter's shard in each rank's flat shard.
     pub offset: usize,
-    /// Elements of one rank's shard of the parameter (padding included).
-    pub shard_numel: usize,
-    /// Rows per rank of dim 0 (padding included).
-    pub rows_per_rank: usize,
-    /// The parameter's unsharded shape.
-    pub global_shape: Vec<usize>,
+    /// The sharded parameter (its shape, rows per rank and padding).
+    pub param: ShardedParam,
 }
 
 impl ParamView {
     /// The view of `param` at `offset` of its unit's flat shard.
     pub fn of(param: &ShardedParam, offset: usize) -> Self {
-        Self {
-            offset,
-            shard_numel: param.shard_numel(),
-            rows_per_rank: param.rows_per_rank,
-            global_shape: param.global_shape.clone(),
-        }
+        Self { offset, param: param.clone() }
     }
 
     fn padded_shape(&self, world: usize) -> Shape {
-        let mut padded = self.global_shape.clone();
+        let mut padded = self.param.global_shape.clone();
         if let Some(d0) = padded.first_mut() {
-            *d0 = self.rows_per_rank * world;
+            *d0 = self.param.rows_per_rank * world;
         }
         Shape::from(padded)
     }
@@ -82,7 +73,7 @@ impl ParamView {
     /// Where rank `r`'s shard of the parameter lies in the flat gathered buffer.
     fn range(&self, r: usize, unit_len: usize) -> [Slice; 1] {
         let start = r * unit_len + self.offset;
-        [Slice::from(start..start + self.shard_numel)]
+        [Slice::from(start..start + self.param.shard_numel())]
     }
 
     /// The parameter's full value from the flat gathered buffer (`[world · unit_len]`).
@@ -96,8 +87,8 @@ impl ParamView {
         let flat =
             if world == 1 { pieces.into_iter().next().expect("one piece") } else { B::float_cat(pieces, 0) };
         let full = B::float_reshape(flat, self.padded_shape(world));
-        let d0 = self.global_shape.first().copied().unwrap_or(1);
-        if self.rows_per_rank * world == d0 || self.global_shape.is_empty() {
+        let d0 = self.param.global_shape.first().copied().unwrap_or(1);
+        if self.param.rows_per_rank * world == d0 || self.param.global_shape.is_empty() {
             full
         } else {
             B::float_slice(full, &[Slice::from(0..d0)])
@@ -119,19 +110,17 @@ impl ParamView {
             Some(b) => b,
             None => B::float_zeros(Shape::new([world * unit_len]), &device, dtype.into()),
         };
-        let d0 = self.global_shape.first().copied().unwrap_or(1);
-        let row = self.shard_numel / self.rows_per_rank.max(1);
         for r in 0..world {
             // Rank r's rows of the parameter; rows past the end are padding (zero gradient).
-            let rows = (r * self.rows_per_rank).min(d0)..((r + 1) * self.rows_per_rank).min(d0);
+            let rows = self.param.rows_of(r);
             if rows.is_empty() {
                 break;
             }
-            let have = rows.len() * row;
+            let have = rows.len() * self.param.row_numel();
             // Flattened one rank's rows at a time: a reshape may copy (NdArray), and a copy
             // of 1/world of the gradient is all this then holds at once.
             let piece = B::float_slice(grad.clone(), &[Slice::from(rows)]);
-            let piece = if self.global_shape.len() == 1 {
+            let piece = if self.param.global_shape.len() == 1 {
                 piece
             } else {
                 B::float_reshape(piece, Shape::new([have]))
