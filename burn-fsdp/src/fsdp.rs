@@ -1185,7 +1185,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
                 B::fsdp_all_gather(parts, anchor, unit.comm.clone(), reshard)
             }
         };
-        let group = ViewGroup::new(self.world(), unit.shard_len());
+        let group = ViewGroup::new(self.world(), unit.shard_len(), reshard);
         module.map(&mut ParamViews { unit, gathered: full, group })
     }
 }
@@ -1338,22 +1338,23 @@ impl<B: FsdpBackend> ModuleMapper<B> for Sharder<'_, B> {
     }
 }
 
-/// Replaces the shards of one unit's parameters by their all-gathered values, on the
-/// training backend (`forward`) or its inner backend (`forward_valid`).
-struct Unsharder<'a, I: Backend, X: Backend> {
+/// Replaces the shards of one unit's parameters by their values cut out of the flat gathered
+/// buffer, without autodiff (`forward_valid`, on the inner backend).
+struct Unsharder<'a, I: Backend> {
     unit: &'a FsdpUnit<I>,
-    gathered: Tensor<X, 2>,
+    gathered: FloatTensor<I>,
+    world: usize,
 }
 
-impl<I: Backend, X: Backend> ModuleMapper<X> for Unsharder<'_, I, X> {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<X, D>>) -> Param<Tensor<X, D>> {
+impl<I: Backend> ModuleMapper<I> for Unsharder<'_, I> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<I, D>>) -> Param<Tensor<I, D>> {
         let (id, tensor, mapper) = param.consume();
         let Some(i) = self.unit.index_of(id) else {
             return Param::from_mapped_value(id, tensor, mapper);
         };
-        let p = &self.unit.params[i];
-        let cols = self.gathered.clone().narrow(1, self.unit.offsets[i], p.shard_numel());
-        Param::from_mapped_value(id, p.unshard(cols), mapper)
+        let view = ParamView::of(&self.unit.params[i], self.unit.offsets[i]);
+        let full = view.cut::<I>(self.gathered.clone(), self.world, self.unit.shard_len());
+        Param::from_mapped_value(id, Tensor::from_primitive(TensorPrimitive::Float(full)), mapper)
     }
 }
 

@@ -9,9 +9,17 @@
 //! other view adds its piece into that same buffer in place (FSDP2's reduce-scatter copy-in).
 //!
 //! The values are unchanged: each element of the buffer receives its parameter's gradient
-//! added to zero, as before. Like Burn's `narrow`, the op is memory-bound: under
-//! `BalancedCheckpointing` (`reshard_after_forward`) it is recomputed from the re-gathered
-//! buffer in backward instead of being kept.
+//! added to zero, as before.
+//!
+//! What backward keeps follows the unit's `reshard_after_forward`. A resharded unit's views
+//! are memory-bound (like Burn's `narrow`): under `BalancedCheckpointing` a view that backward
+//! needs is recomputed from the re-gathered buffer instead of being kept. A unit that stays
+//! gathered (the root, by default) gets compute-bound views: a view that backward needs is
+//! kept itself, and the gathered buffer is freed as soon as its views are cut. (A memory-bound
+//! op makes Burn keep its parents until backward starts, in case a recomputation needs them:
+//! for Qwen3-0.6B's root unit that was a second 594 MiB copy of the embedding per rank, held
+//! from the embedding lookup to the end of forward and, for the final norm's weight, into
+//! backward.)
 
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -36,14 +44,18 @@ use crate::param::ShardedParam;
 pub struct ViewGroup {
     world: usize,
     unit_len: usize,
+    /// Whether the gathered buffer is recomputed (re-gathered) in backward: then the views
+    /// are memory-bound and recomputed from it, else compute-bound and kept when needed.
+    recompute: bool,
     /// Whether a view's backward has registered the gathered buffer's gradient yet.
     started: AtomicBool,
 }
 
 impl ViewGroup {
-    /// A group for a gathered buffer of `world` rows of `unit_len` elements.
-    pub fn new(world: usize, unit_len: usize) -> Arc<Self> {
-        Arc::new(Self { world, unit_len, started: AtomicBool::new(false) })
+    /// A group for a gathered buffer of `world` rows of `unit_len` elements; `recompute`:
+    /// whether that buffer is re-gathered in backward (`reshard_after_forward`).
+    pub fn new(world: usize, unit_len: usize, recompute: bool) -> Arc<Self> {
+        Arc::new(Self { world, unit_len, recompute, started: AtomicBool::new(false) })
     }
 }
 
@@ -78,17 +90,32 @@ impl ParamView {
 
     /// The parameter's full value from the flat gathered buffer (`[world · unit_len]`).
     ///
-    /// Built from 1-D pieces: a reshape copies on some backends (NdArray), so the gathered
-    /// buffer is never reshaped, only this parameter's part of it.
+    /// Each rank's rows are written into one buffer of the parameter's (padded) shape, a
+    /// rank at a time: `reshape` and `cat` copy on some backends (NdArray: a `cat` is two
+    /// copies of its result), so the gathered buffer is never reshaped and nothing of the
+    /// parameter's full size is made but the result (for Qwen3-0.6B's embedding, 594 MiB per
+    /// rank, where the `cat` path made three such buffers at once).
     pub fn cut<B: Backend>(&self, gathered: FloatTensor<B>, world: usize, unit_len: usize) -> FloatTensor<B> {
-        let pieces: Vec<_> =
-            (0..world).map(|r| B::float_slice(gathered.clone(), &self.range(r, unit_len))).collect();
+        let rows = self.param.rows_per_rank;
+        let mut piece_dims = self.param.global_shape.clone();
+        if let Some(d0) = piece_dims.first_mut() {
+            *d0 = rows;
+        }
+        let piece_shape = Shape::from(piece_dims);
+        let padded = self.padded_shape(world);
+        let mut full = B::float_zeros(padded, &B::float_device(&gathered), gathered.dtype().into());
+        for r in 0..world {
+            let piece = B::float_slice(gathered.clone(), &self.range(r, unit_len));
+            let piece = if piece_shape.num_dims() == 1 {
+                piece
+            } else {
+                B::float_reshape(piece, piece_shape.clone())
+            };
+            full = B::float_slice_assign(full, &[Slice::from(r * rows..(r + 1) * rows)], piece);
+        }
         drop(gathered);
-        let flat =
-            if world == 1 { pieces.into_iter().next().expect("one piece") } else { B::float_cat(pieces, 0) };
-        let full = B::float_reshape(flat, self.padded_shape(world));
         let d0 = self.param.global_shape.first().copied().unwrap_or(1);
-        if self.param.rows_per_rank * world == d0 || self.param.global_shape.is_empty() {
+        if rows * world == d0 || self.param.global_shape.is_empty() {
             full
         } else {
             B::float_slice(full, &[Slice::from(0..d0)])
@@ -192,13 +219,13 @@ pub(crate) fn param_view<B: Backend, C: CheckpointStrategy>(
         unit_len,
         _backend: PhantomData,
     };
-    match (ViewBackward { view, group: group.clone() })
-        .prepare::<C>([gathered.node.clone()])
-        .memory_bound()
-        .retro_forward(retro)
-        .parents([gathered])
-        .stateful()
-    {
+    let prep = (ViewBackward { view, group: group.clone() }).prepare::<C>([gathered.node.clone()]);
+    let prep = if group.recompute {
+        prep.memory_bound().retro_forward(retro).parents([gathered])
+    } else {
+        prep.compute_bound()
+    };
+    match prep.stateful() {
         OpsKind::Tracked(prep) => prep.finish((), output),
         OpsKind::UnTracked(prep) => prep.finish(output),
     }
@@ -216,8 +243,9 @@ mod tests {
     /// The gathered buffer's gradient through the views equals, bit for bit, the one through
     /// Burn's own reshape/narrow ops (the path this replaces), with padded parameters, a view
     /// used twice (a tied weight), one never used, and values needed again in backward; the
-    /// gathered buffer an op's output (as in FSDP) or a leaf.
-    fn views_match_narrow<B: AutodiffBackend + crate::FsdpBackend>(leaf: bool) {
+    /// gathered buffer an op's output (as in FSDP) or a leaf; the views recomputed in backward
+    /// (a resharded unit) or kept.
+    fn views_match_narrow<B: AutodiffBackend + crate::FsdpBackend>(leaf: bool, recompute: bool) {
         let device = Default::default();
         let world = 3;
         let shapes = [vec![5, 4], vec![7], vec![2, 3], vec![4, 2]];
@@ -246,7 +274,7 @@ mod tests {
             let x = Tensor::<B, 1>::from_inner(x0.clone()).require_grad();
             let gathered = if leaf { x.clone() } else { x.clone().mul_scalar(1.0) };
             let (a, b, c): (Tensor<B, 2>, Tensor<B, 1>, Tensor<B, 2>) = if ours {
-                let group = ViewGroup::new(world, unit_len);
+                let group = ViewGroup::new(world, unit_len, recompute);
                 let g = gathered.into_primitive().tensor();
                 let cut = |i: usize| {
                     let view = ParamView::of(&params[i], offsets[i]);
@@ -274,13 +302,15 @@ mod tests {
 
     #[test]
     fn views_match_narrow_without_checkpointing() {
-        views_match_narrow::<Autodiff<NdArray, NoCheckpointing>>(false);
-        views_match_narrow::<Autodiff<NdArray, NoCheckpointing>>(true);
+        for (leaf, recompute) in [(false, false), (true, false), (false, true), (true, true)] {
+            views_match_narrow::<Autodiff<NdArray, NoCheckpointing>>(leaf, recompute);
+        }
     }
 
     #[test]
-    fn views_match_narrow_recomputed_under_balanced_checkpointing() {
-        views_match_narrow::<Autodiff<NdArray, BalancedCheckpointing>>(false);
-        views_match_narrow::<Autodiff<NdArray, BalancedCheckpointing>>(true);
+    fn views_match_narrow_recomputed_or_kept_under_balanced_checkpointing() {
+        for (leaf, recompute) in [(false, false), (true, false), (false, true), (true, true)] {
+            views_match_narrow::<Autodiff<NdArray, BalancedCheckpointing>>(leaf, recompute);
+        }
     }
 }

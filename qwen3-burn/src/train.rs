@@ -61,17 +61,31 @@ pub fn chunked_cross_entropy<B: AutodiffBackend>(
     let f32 = |x: Tensor<B::InnerBackend, 2>| if x.dtype() == DType::F32 { x } else { x.cast(DType::F32) };
     let mut loss_sum = Tensor::<B::InnerBackend, 1>::zeros([1], &device);
     let mut d_hidden = Vec::with_capacity(n.div_ceil(chunk));
+    // The head is used in row blocks of `HEAD_BLOCK_ROWS` vocabulary entries: no product
+    // below has the head's size (a CPU backend copies each matmul operand, and a
+    // [vocab, hidden] product plus its copies would be several head-sized buffers at once;
+    // for Qwen3-0.6B each is 594 MiB). The blocks are slices, not copies.
+    let blocks: Vec<(std::ops::Range<usize>, Tensor<B::InnerBackend, 2>)> = (0..v)
+        .step_by(HEAD_BLOCK_ROWS)
+        .map(|start| {
+            let rows = start..(start + HEAD_BLOCK_ROWS).min(v);
+            (rows.clone(), w.clone().slice([rows, 0..d]))
+        })
+        .collect();
     let mut d_head = Tensor::<B::InnerBackend, 2>::zeros([v, d], &device).cast(w_dtype);
     for start in (0..n).step_by(chunk) {
         let rows = chunk.min(n - start);
         let h_c = h.clone().narrow(0, start, rows);
         let l_c = labels.clone().narrow(0, start, rows);
-        // h_c · headᵀ computed as (head · h_cᵀ)ᵀ: the [vocab, hidden] head is read in its
-        // own layout and only the chunk's small [rows, hidden] block is transposed (a
-        // transposed operand is copied element by element on CPU backends, the head once per
-        // chunk otherwise). Each logit is the same dot product either way; the reshape lays
-        // the chunk's logits out row-major again, so the reductions below sum in the same order.
-        let logits = w.clone().matmul(h_c.clone().transpose()).transpose().reshape([rows, v]);
+        // h_c · headᵀ block by block, each as (block · h_cᵀ)ᵀ: the head is read in its own
+        // layout and only the chunk's small [rows, hidden] block is transposed (a transposed
+        // operand is copied element by element on CPU backends). Each logit is one dot
+        // product over `hidden`, the same whatever the blocking.
+        let h_t = h_c.clone().transpose();
+        let logits = Tensor::cat(
+            blocks.iter().map(|(_, w_b)| w_b.clone().matmul(h_t.clone()).transpose()).collect(),
+            1,
+        );
         let logits = f32(logits);
         let shifted = logits.clone() - logits.max_dim(1);
         let exp = shifted.clone().exp();
@@ -82,8 +96,21 @@ pub fn chunked_cross_entropy<B: AutodiffBackend>(
         let minus_one = Tensor::<B::InnerBackend, 2>::full([rows, 1], -1.0, &device);
         let d_logits = (exp / sum).scatter(1, l_c, minus_one, IndexingUpdateOp::Add).div_scalar(n as f64);
         let d_logits = if w_dtype == DType::F32 { d_logits } else { d_logits.cast(w_dtype) };
-        d_hidden.push(d_logits.clone().matmul(w.clone()));
-        d_head = d_head + d_logits.transpose().matmul(h_c);
+        let mut d_h: Option<Tensor<B::InnerBackend, 2>> = None;
+        for (range, w_b) in &blocks {
+            let d_b = d_logits.clone().slice([0..rows, range.clone()]);
+            let part = d_b.clone().matmul(w_b.clone());
+            d_h = Some(match d_h {
+                Some(acc) => acc + part,
+                None => part,
+            });
+            // d_head[block] += d_blockᵀ · h_c, in place: the slice is consumed by the
+            // addition, so `d_head` is the assignment's only owner.
+            let ranges = [range.clone(), 0..d];
+            let sum = d_head.clone().slice(ranges.clone()) + d_b.transpose().matmul(h_c.clone());
+            d_head = d_head.slice_assign(ranges, sum);
+        }
+        d_hidden.push(d_h.expect("the vocabulary has at least one entry"));
     }
     let d_hidden = Tensor::cat(d_hidden, 0);
     let d_hidden = if d_hidden.dtype() == h_dtype { d_hidden } else { d_hidden.cast(h_dtype) };
@@ -93,6 +120,10 @@ pub fn chunked_cross_entropy<B: AutodiffBackend>(
     let value = Tensor::<B, 1>::from_inner(loss_sum.div_scalar(n as f64));
     surrogate.clone() - surrogate.detach() + value
 }
+
+/// Vocabulary rows of the head per product in [`chunked_cross_entropy`] (16 MiB of f32 at
+/// hidden size 1024).
+const HEAD_BLOCK_ROWS: usize = 4096;
 
 /// A chunk size for [`chunked_cross_entropy`] that keeps each `[chunk, vocab]` f32 piece
 /// near `bytes` (at least one row).

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use xtask::headline::{HeadlineArgs, run};
+use xtask::headline::{HeadlineArgs, Stage, run};
 
 fn args(dir: &Path) -> HeadlineArgs {
     HeadlineArgs {
@@ -18,6 +18,7 @@ fn args(dir: &Path) -> HeadlineArgs {
         seed: 0,
         python: "python-that-must-not-run".into(),
         skip_torch: true,
+        only: None,
     }
 }
 
@@ -36,7 +37,7 @@ fn fixture_dir(torch: Option<&str>) -> tempfile::TempDir {
 fn headline_reports_burn_fsdp_against_pytorch_fsdp2_and_single_device() {
     let torch = std::fs::read_to_string(tests::fixture("qwen3-tiny-a/fsdp4.json")).unwrap();
     let dir = fixture_dir(Some(&torch));
-    let report = run(&args(dir.path())).unwrap();
+    let report = run(&args(dir.path())).unwrap().unwrap();
     assert_eq!(report.rows.len(), 20);
     let vs_torch = report.vs_torch.unwrap();
     assert!(vs_torch <= 1e-5, "vs PyTorch FSDP2: {vs_torch:e}");
@@ -50,8 +51,38 @@ fn headline_reports_burn_fsdp_against_pytorch_fsdp2_and_single_device() {
     let l = v["losses"][7].as_f64().unwrap();
     v["losses"][7] = serde_json::json!(l * (1.0 + 1e-4));
     let dir = fixture_dir(Some(&v.to_string()));
-    let worse = run(&args(dir.path())).unwrap().vs_torch.unwrap();
+    let worse = run(&args(dir.path())).unwrap().unwrap().vs_torch.unwrap();
     assert!(worse > 9e-5, "{worse:e}");
+}
+
+#[test]
+fn headline_stages_run_one_at_a_time_and_a_finished_stage_is_read_back() {
+    let torch = std::fs::read_to_string(tests::fixture("qwen3-tiny-a/fsdp4.json")).unwrap();
+    let dir = fixture_dir(Some(&torch));
+    let only = |stage| HeadlineArgs { only: Some(stage), ..args(dir.path()) };
+    assert!(run(&only(Stage::Fsdp)).unwrap().is_none(), "no report before the single-device stage");
+    assert!(dir.path().join("burn_fsdp.json").is_file());
+    assert!(!dir.path().join("burn_single.json").exists());
+    let report = run(&only(Stage::Single)).unwrap().unwrap();
+    assert!(report.vs_single <= 1e-5 && report.vs_torch.unwrap() <= 1e-5, "{report:?}");
+    let timings: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("timings.json")).unwrap()).unwrap();
+    assert!(timings["burn_fsdp.json"].as_f64().unwrap() > 0.0, "{timings}");
+
+    // A finished stage is not run again: its file is what the report compares.
+    let path = dir.path().join("burn_fsdp.json");
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let l = v["losses"][3].as_f64().unwrap();
+    v["losses"][3] = serde_json::json!(l * (1.0 + 1e-3));
+    std::fs::write(&path, v.to_string()).unwrap();
+    let report = run(&args(dir.path())).unwrap().unwrap();
+    assert!(report.vs_single > 9e-4 && report.vs_torch.unwrap() > 9e-4, "{report:?}");
+
+    // A stage's trajectory that is shorter than the others' is a failed comparison, not a pass.
+    let short = v["losses"].as_array().unwrap()[..10].to_vec();
+    v["losses"] = serde_json::json!(short);
+    std::fs::write(dir.path().join("burn_single.json"), v.to_string()).unwrap();
+    assert_eq!(run(&args(dir.path())).unwrap().unwrap().vs_single, f64::INFINITY);
 }
 
 #[test]

@@ -57,8 +57,8 @@ impl<B: FsdpBackend, M: AutodiffModule<B>> Fsdp<B, M> {
         let shards = collect_shards::<B::InnerBackend, U>(&module, &self.param_unit, self.units.len());
         let pieces = unit_shards::<B::InnerBackend, _>(unit, &shards[u]);
         let flat = crate::prefetch::flat::<B::InnerBackend>(pieces);
-        let gathered = unit.comm.gather(flat, Phase::ForwardGather).reshape([self.world(), unit.shard_len()]);
-        module.map(&mut Unsharder { unit, gathered })
+        let gathered = unit.comm.gather(flat, Phase::ForwardGather).into_primitive().tensor();
+        module.map(&mut Unsharder { unit, gathered, world: self.world() })
     }
 }
 

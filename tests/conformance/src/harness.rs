@@ -194,7 +194,7 @@ pub(crate) fn unit_roundoff(dtype: DType) -> f64 {
     }
 }
 
-/// The tolerance of a family for a dtype: the f32 base; ×1e-8 for f64; `max(base, k·u)` for
+/// The tolerance of a family for a dtype: the f32 base; ×1e-7 for f64; `max(base, k·u)` for
 /// the half types (u: unit roundoff).
 pub(crate) fn tol(family: Family, dtype: DType) -> f64 {
     let (base, k) = match family {
