@@ -97,11 +97,7 @@ impl ParamView {
     /// rank, where the `cat` path made three such buffers at once).
     pub fn cut<B: Backend>(&self, gathered: FloatTensor<B>, world: usize, unit_len: usize) -> FloatTensor<B> {
         let rows = self.param.rows_per_rank;
-        let mut piece_dims = self.param.global_shape.clone();
-        if let Some(d0) = piece_dims.first_mut() {
-            *d0 = rows;
-        }
-        let piece_shape = Shape::from(piece_dims);
+        let piece_shape = Shape::from(self.param.shard_shape());
         let padded = self.padded_shape(world);
         let mut full = B::float_zeros(padded, &B::float_device(&gathered), gathered.dtype().into());
         for r in 0..world {

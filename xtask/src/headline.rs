@@ -120,10 +120,7 @@ pub fn run(args: &HeadlineArgs) -> Result<Option<Report>> {
         timings.record(dir, Stage::Torch, start.elapsed().as_secs_f64())?;
     }
     let ours = |stage: Stage, mode: &[&str], timings: &mut Timings| -> Result<()> {
-        let out = dir.join(match stage {
-            Stage::Fsdp => "burn_fsdp",
-            _ => "burn_single",
-        });
+        let out = dir.join(stage.file().trim_end_matches(".json"));
         let checkpoint = dir.display().to_string();
         let batches = dir.join("batches.safetensors").display().to_string();
         let (lr, out_dir) = (args.lr.to_string(), out.display().to_string());
