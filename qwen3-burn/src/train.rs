@@ -2,9 +2,15 @@
 
 use std::path::Path;
 
+use burn::backend::Autodiff;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, ElementConversion, IndexingUpdateOp, Int, Tensor, TensorData, TensorPrimitive};
 
 use crate::checkpoint::SafetensorsFile;
 use crate::error::{Qwen3Error, Result};
@@ -28,9 +34,10 @@ pub fn cross_entropy<B: Backend>(logits: Tensor<B, 3>, labels: Tensor<B, 2, Int>
 /// `cross_entropy(hidden · headᵀ, labels)` (up to summation order).
 ///
 /// The gradients with respect to `hidden` and `head` are computed here, during the forward
-/// pass, chunk by chunk, and handed to autodiff through a surrogate whose gradient they are:
-/// backward then costs two elementwise products. Any scaling of the loss afterwards (`/ k`
-/// for gradient accumulation, …) scales them as it should. Use [`cross_entropy`] where no
+/// pass, chunk by chunk, and handed to autodiff as they are ([`LossBackend`]): backward
+/// registers them (scaled by the loss's incoming gradient when it is not 1) without a
+/// `head`-sized product or copy. Any scaling of the loss afterwards (`/ k` for gradient
+/// accumulation, …) scales them as it should. Use [`cross_entropy`] where no
 /// backward follows (evaluation), since this one always computes the gradients.
 ///
 /// # Shapes
@@ -42,7 +49,7 @@ pub fn cross_entropy<B: Backend>(logits: Tensor<B, 3>, labels: Tensor<B, 2, Int>
 ///
 /// # Panics
 /// If `hidden` and `head` disagree on the hidden size, or `chunk` is 0.
-pub fn chunked_cross_entropy<B: AutodiffBackend>(
+pub fn chunked_cross_entropy<B: LossBackend>(
     hidden: Tensor<B, 3>,
     head: Tensor<B, 2>,
     labels: Tensor<B, 2, Int>,
@@ -114,11 +121,62 @@ pub fn chunked_cross_entropy<B: AutodiffBackend>(
     }
     let d_hidden = Tensor::cat(d_hidden, 0);
     let d_hidden = if d_hidden.dtype() == h_dtype { d_hidden } else { d_hidden.cast(h_dtype) };
-    // A surrogate whose gradients are exactly (d_hidden, d_head), shifted to the loss's value.
-    let surrogate = (hidden * Tensor::from_inner(d_hidden)).sum() + (head * Tensor::from_inner(d_head)).sum();
-    let surrogate = if surrogate.dtype() == DType::F32 { surrogate } else { surrogate.cast(DType::F32) };
-    let value = Tensor::<B, 1>::from_inner(loss_sum.div_scalar(n as f64));
-    surrogate.clone() - surrogate.detach() + value
+    let value = loss_sum.div_scalar(n as f64);
+    let loss = B::precomputed_loss(
+        value.into_primitive().tensor(),
+        [hidden.into_primitive().tensor(), head.into_primitive().tensor()],
+        [d_hidden.into_primitive().tensor(), d_head.into_primitive().tensor()],
+    );
+    Tensor::from_primitive(TensorPrimitive::Float(loss))
+}
+
+/// Autodiff backends that accept a value together with its gradients, computed ahead
+/// ([`chunked_cross_entropy`]'s loss). Implemented for every [`Autodiff`] backend.
+pub trait LossBackend: AutodiffBackend {
+    /// The scalar `value` (`[1]`) as a function of `inputs` whose gradient with respect to
+    /// `inputs[i]` is `grads[i]` (same shape): backward adds `g · grads[i]` to `inputs[i]`'s
+    /// gradient, `g` being the output's incoming gradient (exactly `grads[i]` when `g` is 1).
+    /// An input that is not tracked gets nothing.
+    fn precomputed_loss(
+        value: FloatTensor<Self::InnerBackend>,
+        inputs: [FloatTensor<Self>; 2],
+        grads: [FloatTensor<Self::InnerBackend>; 2],
+    ) -> FloatTensor<Self>;
+}
+
+/// Backward of [`LossBackend::precomputed_loss`]: its state is the gradients.
+#[derive(Debug)]
+struct PrecomputedLoss;
+
+impl<B: Backend> Backward<B, 2> for PrecomputedLoss {
+    type State = [Option<FloatTensor<B>>; 2];
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let incoming = grads.consume::<B>(&ops.node);
+        let g = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(incoming)).into_scalar().elem::<f64>();
+        for (parent, grad) in ops.parents.iter().zip(ops.state) {
+            let (Some(parent), Some(grad)) = (parent, grad) else { continue };
+            // `x · 1 = x` exactly: the common case (no scaling) hands the buffer over as is.
+            let grad = if g == 1.0 { grad } else { B::float_mul_scalar(grad, g.into()) };
+            grads.register::<B>(parent.id, grad);
+        }
+    }
+}
+
+impl<B: Backend, C: CheckpointStrategy> LossBackend for Autodiff<B, C> {
+    fn precomputed_loss(
+        value: FloatTensor<B>,
+        inputs: [FloatTensor<Self>; 2],
+        grads: [FloatTensor<B>; 2],
+    ) -> FloatTensor<Self> {
+        let [x, y] = inputs;
+        let [dx, dy] = grads;
+        let state = [x.is_tracked().then_some(dx), y.is_tracked().then_some(dy)];
+        match PrecomputedLoss.prepare::<C>([x.node, y.node]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(state, value),
+            OpsKind::UnTracked(prep) => prep.finish(value),
+        }
+    }
 }
 
 /// Vocabulary rows of the head per product in [`chunked_cross_entropy`] (16 MiB of f32 at

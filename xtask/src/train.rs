@@ -1271,7 +1271,7 @@ pub fn train_single(args: &TrainArgs, setup: Setup, sink: &MetricsSink) -> Resul
 }
 
 /// Single-device training on any autodiff backend and device.
-pub fn train_single_on<AB: FsdpBackend>(
+pub fn train_single_on<AB: FsdpBackend + qwen3_burn::train::LossBackend>(
     args: &TrainArgs,
     setup: Setup,
     sink: &MetricsSink,
