@@ -39,6 +39,19 @@ pub struct BenchArgs {
     /// Qwen3-0.6B with and without the chunked loss and activation checkpointing).
     #[arg(long, conflicts_with = "quick")]
     pub activation_memory_only: bool,
+    /// Only the memory of the full Qwen3-0.6B (28 layers, 596M parameters) trained with FSDP
+    /// over 4 in-process ranks for 2 steps of 2 × 128 tokens per rank (the headline's shapes):
+    /// live bytes per rank between steps and at peak against 16Ψ/W, and the process's peak.
+    /// Takes about 4 minutes and 21 GB of memory on a 2-core machine.
+    #[arg(long, conflicts_with_all = ["quick", "activation_memory_only"])]
+    pub qwen3_06b_memory: bool,
+    /// Only the scaling figures on equal cores (`fsdp_w1_vs_single`,
+    /// `fsdp_w2_scaling_efficiency` and PyTorch's; see `xtask::scaling`).
+    #[arg(long, conflicts_with_all = ["quick", "activation_memory_only", "qwen3_06b_memory"])]
+    pub scaling_only: bool,
+    /// Internal: one single-device run of the scaling model, in a process pinned by `bench`.
+    #[arg(long, hide = true)]
+    pub scaling_worker: bool,
 }
 
 // ---------------------------------------------------------------------------------------
@@ -103,9 +116,9 @@ fn live_bytes() -> Option<isize> {
 // Throughput.
 
 /// Throughput of one training configuration.
-struct Throughput {
+pub(crate) struct Throughput {
     /// Tokens per second of the timed steps (the first, warm-up step is excluded).
-    tokens_per_sec: f64,
+    pub(crate) tokens_per_sec: f64,
     /// Wall time of all steps, warm-up included.
     total_secs: f64,
     /// Collective time over the same steps (all ranks summed).
@@ -115,7 +128,7 @@ struct Throughput {
     exposed_wait: Option<f64>,
 }
 
-fn train_throughput(
+pub(crate) fn train_throughput(
     config: &Qwen3Config,
     world: Option<usize>,
     rows: usize,
@@ -285,6 +298,7 @@ fn rank_memory(
     let baseline = live_bytes().context("the counting allocator is not installed")?;
     let between = Mutex::new(0isize);
     let peak = Mutex::new(0isize);
+    let chunk = loss_chunk_rows(config.vocab_size, LOSS_CHUNK_BYTES);
     let shard_elems = launch(world, Duration::from_secs(600), |group: Arc<LocalGroup>| {
         let rank = group.rank();
         let rows_per_rank = rows / world;
@@ -303,8 +317,11 @@ fn rank_memory(
         for step in 0..steps {
             let tokens = batches.rows::<Ad>(step, rank * rows_per_rank..(rank + 1) * rows_per_rank, &device);
             let (inputs, labels) = inputs_and_labels(tokens);
-            let logits = fsdp.forward(|m, r| m.forward_with(inputs, r));
-            let grads = fsdp.gradients(cross_entropy(logits, labels).backward());
+            let loss = fsdp.forward(|m, r| {
+                let hidden = m.hidden_with(inputs, r);
+                chunked_cross_entropy(hidden, m.head_weight(), labels, chunk)
+            });
+            let grads = fsdp.gradients(loss.backward());
             fsdp.step(&mut optim, grads);
             sync("stepped")?;
             if rank == 0 {
@@ -324,6 +341,52 @@ fn rank_memory(
         between_steps: per_rank(between),
         peak: per_rank(peak),
     })
+}
+
+/// Per-rank memory of FSDP training (2 steps of a global batch `rows × seq`) at each world
+/// size, as ratios to 16Ψ/W, and the process's peak in GiB at the largest world size.
+fn memory_figures(
+    name: &str,
+    config: &Qwen3Config,
+    worlds: &[usize],
+    rows: usize,
+    seq: usize,
+) -> Result<Vec<(String, f64)>> {
+    let mut figures = Vec::new();
+    if live_bytes().is_none() {
+        println!(
+            "[memory] skipped: the counting allocator is not installed (run through the `xtask` binary)"
+        );
+        return Ok(figures);
+    }
+    let gib = |b: f64| b / f64::from(1 << 30);
+    let mib = |b: f64| b / f64::from(1 << 20);
+    for &world in worlds {
+        let m = rank_memory(config, world, rows, seq, 2)?;
+        println!(
+            "[memory {name}] W={world}: 16Ψ/W (params + grads + AdamW m, v; from the shard sizes) {:.1} MiB; \
+             measured per rank: between steps {:.1} MiB, peak during a step {:.1} MiB; \
+             all ranks at peak {:.2} GiB (16Ψ = {:.2} GiB)",
+            mib(m.model_16psi as f64),
+            mib(m.between_steps as f64),
+            mib(m.peak as f64),
+            gib((m.peak * world as isize) as f64),
+            gib((m.model_16psi * world) as f64),
+        );
+        figures.push((
+            format!("{name}_w{world}_rank_peak_vs_16psi_over_w"),
+            m.peak as f64 / m.model_16psi as f64,
+        ));
+        figures.push((
+            format!("{name}_w{world}_rank_between_steps_vs_16psi_over_w"),
+            m.between_steps as f64 / m.model_16psi as f64,
+        ));
+        if Some(&world) == worlds.last() {
+            figures
+                .push((format!("{name}_w{world}_process_peak_gib"), gib((m.peak * world as isize) as f64)));
+        }
+    }
+    Ok(figures)
 }
 
 /// Activation memory of one long sequence at Qwen3-0.6B width (2 of its layers), with the
@@ -490,6 +553,26 @@ pub fn run(args: &BenchArgs) -> Result<Vec<(String, f64)>> {
         print_figures(&figures);
         return Ok(figures);
     }
+    if args.scaling_worker {
+        crate::scaling::worker(args.steps)?;
+        return Ok(Vec::new());
+    }
+    let python = python(args);
+    let missing = torch_missing(&python);
+    let torch = match &missing {
+        None => Ok(python.as_path()),
+        Some(why) => Err(why.as_str()),
+    };
+    if args.scaling_only {
+        let figures = crate::scaling::figures(args.steps, torch)?;
+        print_figures(&figures);
+        return Ok(figures);
+    }
+    if args.qwen3_06b_memory {
+        let figures = memory_figures("qwen3_06b", &Qwen3Config::qwen3_0_6b(), &[4], 8, 128)?;
+        print_figures(&figures);
+        return Ok(figures);
+    }
     let mut figures: Vec<(String, f64)> = Vec::new();
     let tiny = Qwen3Config::from_json_str(
         r#"{"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -501,8 +584,6 @@ pub fn run(args: &BenchArgs) -> Result<Vec<(String, f64)>> {
     if !args.quick {
         models.push(("qwen3_50m", qwen3_50m(), 8, 128));
     }
-    let python = python(args);
-    let missing = torch_missing(&python);
     let mut torch_headline: Option<Vec<(String, f64)>> = None;
     for (name, config, rows, seq) in &models {
         let (rows, seq) = (*rows, *seq);
@@ -542,7 +623,7 @@ pub fn run(args: &BenchArgs) -> Result<Vec<(String, f64)>> {
             waiting,
         );
         figures.push((
-            format!("{name}_fsdp_w4_vs_single_tokens_per_sec_ratio"),
+            format!("{name}_fsdp_w4_2cores_vs_single_1core_tokens_per_sec_ratio"),
             fsdp.tokens_per_sec / single.tokens_per_sec,
         ));
         figures.push((format!("{name}_fsdp_w4_collective_time_fraction"), total / fsdp.total_secs));
@@ -624,35 +705,13 @@ pub fn run(args: &BenchArgs) -> Result<Vec<(String, f64)>> {
 
     // Memory per rank at W = 1, 2, 4 on the larger model.
     let (name, config, rows, seq) = models.last().context("no model")?;
-    if live_bytes().is_some() {
-        for world in [1usize, 2, 4] {
-            let m = rank_memory(config, world, *rows, *seq, 2)?;
-            let mib = |b: f64| b / f64::from(1 << 20);
-            println!(
-                "[memory {name}] W={world}: 16Ψ/W (params + grads + AdamW m, v; from the shard sizes) {:.1} MiB; \
-                 measured per rank: between steps {:.1} MiB, peak during a step {:.1} MiB",
-                mib(m.model_16psi as f64),
-                mib(m.between_steps as f64),
-                mib(m.peak as f64),
-            );
-            figures.push((
-                format!("{name}_w{world}_rank_peak_vs_16psi_over_w"),
-                m.peak as f64 / m.model_16psi as f64,
-            ));
-            figures.push((
-                format!("{name}_w{world}_rank_between_steps_vs_16psi_over_w"),
-                m.between_steps as f64 / m.model_16psi as f64,
-            ));
-        }
-    } else {
-        println!(
-            "[memory] skipped: the counting allocator is not installed (run through the `xtask` binary)"
-        );
-    }
+    figures.extend(memory_figures(name, config, &[1, 2, 4], *rows, *seq)?);
 
     if !args.quick {
         figures.extend(activation_memory()?);
     }
+    // The headline: scaling on equal cores (two processes, or one process on two cores).
+    figures.extend(crate::scaling::figures(args.steps, torch)?);
 
     match (torch_headline, &missing) {
         (Some(t), _) => figures.extend(t),
@@ -667,14 +726,9 @@ pub fn run(args: &BenchArgs) -> Result<Vec<(String, f64)>> {
         }
         (None, None) => {}
     }
-    // The headline figure of the issue: the larger model when it ran, else the small one.
-    let headline = figures
-        .iter()
-        .rev()
-        .find(|(n, _)| n.ends_with("_fsdp_w4_vs_single_tokens_per_sec_ratio"))
-        .map(|(_, v)| *v)
-        .unwrap_or(f64::NAN);
-    figures.push(("fsdp_w4_vs_single_tokens_per_sec_ratio".into(), headline));
+    // The headline figures last: scaling on equal cores and Burn against PyTorch.
+    let headline = ["fsdp_w2_scaling_efficiency", "fsdp_w1_vs_single", "burn_vs_torch_train_step_ratio"];
+    figures.sort_by_key(|(n, _)| headline.iter().position(|h| h == n));
     print_figures(&figures);
     Ok(figures)
 }

@@ -15,6 +15,7 @@ pub mod logits;
 #[cfg(feature = "mpi")]
 pub mod mpi_tools;
 pub mod plot;
+pub mod scaling;
 pub mod schedule;
 pub mod tokenizer;
 pub mod train;

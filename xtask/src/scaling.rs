@@ -1,0 +1,232 @@
+//! Scaling figures of `cargo xtask bench`, measured on equal resources (issue #19):
+//!
+//! - `fsdp_w1_vs_single`: FSDP over one rank against single-device training (`--no-fsdp`),
+//!   both with the process pinned to the same one core, alternated (A B A B);
+//! - `fsdp_w2_scaling_efficiency`: FSDP over two in-process ranks with the process pinned to
+//!   two cores, against two independent single-device runs at the same time, each a process
+//!   pinned to one of those cores (perfect data parallelism: no communication);
+//! - the same two figures for PyTorch FSDP2 (gloo, one process and one thread per rank, each
+//!   pinned to its core) when PyTorch is present, and Burn against PyTorch tokens/s per core.
+//!
+//! The model is the ~29M-parameter Qwen3 of issue #19 (hidden 512, 8 layers, vocab 8192),
+//! 4 rows × 128 tokens per rank and step.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use anyhow::{Context, Result, bail, ensure};
+use qwen3_burn::Qwen3Config;
+
+use crate::bench::{qwen3_50m, train_throughput};
+
+/// Rows per rank and step.
+pub const ROWS: usize = 4;
+/// Tokens per row.
+pub const SEQ: usize = 128;
+
+/// The ~29M-parameter Qwen3 of the scaling figures: the 50M benchmark model with 8 layers.
+pub fn qwen3_29m() -> Qwen3Config {
+    Qwen3Config { num_hidden_layers: 8, ..qwen3_50m() }
+}
+
+/// Pins the calling thread (and every thread or process it creates afterwards) to `cores`.
+pub fn pin_current_thread(cores: &[usize]) -> Result<()> {
+    // SAFETY: `cpu_set_t` is plain old data, for which all-zero bytes are the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    for &core in cores {
+        ensure!(core < libc::CPU_SETSIZE as usize, "core {core} is beyond CPU_SETSIZE");
+        // SAFETY: `core` is below CPU_SETSIZE (checked above), so the bit is inside `set`.
+        unsafe { libc::CPU_SET(core, &mut set) };
+    }
+    // SAFETY: `set` is a valid, initialised `cpu_set_t` that outlives the call, and its size
+    // is passed with it; pid 0 means the calling thread.
+    let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+    if rc != 0 {
+        bail!("sched_setaffinity({cores:?}): {}", std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The cores this thread may run on.
+pub fn allowed_cores() -> Result<Vec<usize>> {
+    // SAFETY: as in `pin_current_thread`: an all-zero `cpu_set_t` is valid.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is valid for writes of its own size, passed with it; pid 0 = this thread.
+    let rc = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+    if rc != 0 {
+        bail!("sched_getaffinity: {}", std::io::Error::last_os_error());
+    }
+    // SAFETY: `set` was filled by the kernel and `core` stays below CPU_SETSIZE.
+    Ok((0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect())
+}
+
+/// `bench --scaling-worker`: one single-device run of the scaling model, as a process of its
+/// own (pinned by its parent); prints `tokens_per_sec: X`.
+pub fn worker(steps: usize) -> Result<()> {
+    let t = train_throughput(&qwen3_29m(), None, ROWS, SEQ, steps, &[])?;
+    println!("tokens_per_sec: {}", t.tokens_per_sec);
+    Ok(())
+}
+
+/// Starts `command` pinned to `core` (the child inherits the affinity set just before).
+fn spawn_pinned(mut command: Command, core: usize) -> Result<Child> {
+    let restore = allowed_cores()?;
+    pin_current_thread(&[core])?;
+    let child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn();
+    pin_current_thread(&restore)?;
+    child.with_context(|| format!("starting {command:?}"))
+}
+
+/// Waits for `child` and reads the `key: value` line it printed last.
+fn read_figure(child: Child, key: &str) -> Result<f64> {
+    let out = child.wait_with_output()?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        out.status.success(),
+        "a scaling worker failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    // A `key: value` line (the Burn worker) or a JSON object with `key` (torch_bench.py).
+    let json = |l: &str| serde_json::from_str::<serde_json::Value>(l).ok().and_then(|v| v[key].as_f64());
+    stdout
+        .lines()
+        .rev()
+        .find_map(|l| match l.strip_prefix(key) {
+            Some(v) => v.trim_start_matches(':').trim().parse().ok(),
+            None => json(l.trim()),
+        })
+        .with_context(|| format!("no `{key}:` line in a worker's output: {stdout}"))
+}
+
+/// Runs `f` with this thread pinned to `cores`, then restores its affinity.
+fn pinned<T>(cores: &[usize], f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let restore = allowed_cores()?;
+    pin_current_thread(cores)?;
+    let out = f();
+    pin_current_thread(&restore)?;
+    out
+}
+
+/// The PyTorch side: `torch_bench.py` in its scaling modes.
+struct Torch<'a> {
+    python: &'a Path,
+    config_dir: &'a Path,
+    steps: usize,
+}
+
+impl Torch<'_> {
+    fn command(&self, extra: &[&str]) -> Command {
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("bench").join("torch_bench.py");
+        let mut c = Command::new(self.python);
+        c.arg(script)
+            .arg("--config")
+            .arg(self.config_dir.join("config.json"))
+            .args(["--batch", &ROWS.to_string(), "--seq", &SEQ.to_string()])
+            .args(["--steps", &self.steps.to_string(), "--threads", "1", "--train-only"])
+            .args(extra);
+        c
+    }
+}
+
+/// The scaling figures (see the module docs); `python` is `None` when PyTorch is absent
+/// (its figures are then printed as skipped, with `why`).
+pub fn figures(steps: usize, python: Result<&Path, &str>) -> Result<Vec<(String, f64)>> {
+    let config = qwen3_29m();
+    let cores = allowed_cores()?;
+    println!(
+        "[scaling] Qwen3 of {} parameters (hidden 512, 8 layers, vocab 8192), {ROWS} × {SEQ} tokens per rank, \
+         {steps} timed steps; cores {cores:?}",
+        config.num_params()
+    );
+    let mut figures = Vec::new();
+    let core0 = cores[0];
+
+    // FSDP at W = 1 against --no-fsdp, on one core, alternated.
+    let (mut single, mut w1) = (0.0, 0.0);
+    for _ in 0..2 {
+        single += pinned(&[core0], || train_throughput(&config, None, ROWS, SEQ, steps, &[]))?.tokens_per_sec;
+        w1 += pinned(&[core0], || train_throughput(&config, Some(1), ROWS, SEQ, steps, &[]))?.tokens_per_sec;
+    }
+    let (single, w1) = (single / 2.0, w1 / 2.0);
+    println!(
+        "  one core: single device {single:.1} tokens/s, FSDP W=1 {w1:.1} tokens/s (mean of two alternated runs each)"
+    );
+    figures.push(("fsdp_w1_vs_single".into(), w1 / single));
+
+    // FSDP at W = 2 on two cores against two independent single-device processes.
+    let two = cores.len() >= 2;
+    if two {
+        let pair = [cores[0], cores[1]];
+        let exe = std::env::current_exe()?;
+        let worker = || {
+            let mut c = Command::new(&exe);
+            c.args(["bench", "--scaling-worker", "--steps", &steps.to_string()]);
+            c
+        };
+        let children = [spawn_pinned(worker(), pair[0])?, spawn_pinned(worker(), pair[1])?];
+        let independent: f64 =
+            children.into_iter().map(|c| read_figure(c, "tokens_per_sec")).sum::<Result<f64>>()?;
+        let w2 =
+            pinned(&pair, || train_throughput(&config, Some(2), 2 * ROWS, SEQ, steps, &[]))?.tokens_per_sec;
+        println!(
+            "  two cores: two independent single-device processes, one per core, {independent:.1} tokens/s in sum; \
+             FSDP W=2 {w2:.1} tokens/s"
+        );
+        figures.push(("fsdp_w2_scaling_efficiency".into(), w2 / independent));
+    } else {
+        println!("fsdp_w2_scaling_efficiency: skipped (one core available)");
+    }
+
+    match python {
+        Err(why) => {
+            for f in [
+                "torch_fsdp_w1_vs_single",
+                "torch_fsdp_w2_scaling_efficiency",
+                "burn_vs_torch_tokens_per_sec_per_core",
+            ] {
+                println!("{f}: skipped ({why})");
+            }
+        }
+        Ok(python) => {
+            let dir = std::env::temp_dir().join(format!("xtask-scaling-{}", std::process::id()));
+            std::fs::create_dir_all(&dir)?;
+            config.save(&dir)?;
+            let torch = Torch { python, config_dir: &dir, steps };
+            let key = "train_step_tokens_per_sec";
+            let run = |extra: &[&str], core: usize| spawn_pinned(torch.command(extra), core);
+            let (mut t_single, mut t_w1) = (0.0, 0.0);
+            for _ in 0..2 {
+                t_single += read_figure(run(&[], core0)?, key)?;
+                t_w1 += read_figure(run(&["--fsdp-world", "1"], core0)?, key)?;
+            }
+            let (t_single, t_w1) = (t_single / 2.0, t_w1 / 2.0);
+            println!(
+                "  [pytorch] one core: single device {t_single:.1} tokens/s, FSDP2 W=1 {t_w1:.1} tokens/s"
+            );
+            figures.push(("torch_fsdp_w1_vs_single".into(), t_w1 / t_single));
+            figures.push(("burn_vs_torch_tokens_per_sec_per_core".into(), single / t_single));
+            if two {
+                let children = [run(&[], cores[0])?, run(&[], cores[1])?];
+                let independent: f64 =
+                    children.into_iter().map(|c| read_figure(c, key)).sum::<Result<f64>>()?;
+                // The FSDP2 processes pin themselves, rank r to the r-th allowed core.
+                let w2 = pinned(&[cores[0], cores[1]], || {
+                    read_figure(run_unpinned(&torch, &["--fsdp-world", "2"])?, key)
+                })?;
+                println!(
+                    "  [pytorch] two cores: two independent single-device processes {independent:.1} tokens/s in sum; \
+                     FSDP2 W=2 (gloo) {w2:.1} tokens/s"
+                );
+                figures.push(("torch_fsdp_w2_scaling_efficiency".into(), w2 / independent));
+            }
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+    }
+    Ok(figures)
+}
+
+fn run_unpinned(torch: &Torch, extra: &[&str]) -> Result<Child> {
+    let mut c = torch.command(extra);
+    c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().context("starting torch_bench.py")
+}
