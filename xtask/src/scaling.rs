@@ -140,7 +140,7 @@ pub fn figures(steps: usize, python: Result<&Path, &str>) -> Result<Vec<(String,
         config.num_params()
     );
     let mut figures = Vec::new();
-    let core0 = cores[0];
+    let core0 = *cores.first().context("sched_getaffinity allowed no core")?;
 
     // FSDP at W = 1 against --no-fsdp, on one core, alternated.
     let (mut single, mut w1) = (0.0, 0.0);
