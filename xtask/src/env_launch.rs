@@ -98,15 +98,25 @@ pub fn launch_local(args: &TrainArgs, raw: &[String]) -> Result<()> {
     let mut status: Vec<Option<std::process::ExitStatus>> = vec![None; world];
     let mut first_failure: Option<(usize, Instant)> = None;
     loop {
+        // Failures seen in one pass count as simultaneous: a rank killed by a signal is then
+        // named first, since the others' errors are most likely their reaction to losing it.
+        let mut failed_now: Vec<(usize, bool)> = Vec::new();
         for (rank, child) in children.iter_mut().enumerate() {
             if status[rank].is_none()
                 && let Ok(Some(s)) = child.try_wait()
             {
                 status[rank] = Some(s);
-                if !s.success() && first_failure.is_none() {
-                    first_failure = Some((rank, Instant::now()));
+                if !s.success() {
+                    use std::os::unix::process::ExitStatusExt;
+                    failed_now.push((rank, s.signal().is_some()));
                 }
             }
+        }
+        if first_failure.is_none()
+            && let Some(&(rank, _)) =
+                failed_now.iter().find(|(_, signalled)| *signalled).or(failed_now.first())
+        {
+            first_failure = Some((rank, Instant::now()));
         }
         if status.iter().all(Option::is_some) {
             break;
