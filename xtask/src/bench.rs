@@ -557,6 +557,11 @@ pub fn run(args: &BenchArgs) -> Result<Vec<(String, f64)>> {
         crate::scaling::worker(args.steps)?;
         return Ok(Vec::new());
     }
+    if args.qwen3_06b_memory {
+        let figures = memory_figures("qwen3_06b", &Qwen3Config::qwen3_0_6b(), &[4], 8, 128)?;
+        print_figures(&figures);
+        return Ok(figures);
+    }
     let python = python(args);
     let missing = torch_missing(&python);
     let torch = match &missing {
@@ -565,11 +570,6 @@ pub fn run(args: &BenchArgs) -> Result<Vec<(String, f64)>> {
     };
     if args.scaling_only {
         let figures = crate::scaling::figures(args.steps, torch)?;
-        print_figures(&figures);
-        return Ok(figures);
-    }
-    if args.qwen3_06b_memory {
-        let figures = memory_figures("qwen3_06b", &Qwen3Config::qwen3_0_6b(), &[4], 8, 128)?;
         print_figures(&figures);
         return Ok(figures);
     }

@@ -68,13 +68,18 @@ pub fn worker(steps: usize) -> Result<()> {
     Ok(())
 }
 
+/// Starts `command` with its output captured.
+fn spawn(mut command: Command) -> Result<Child> {
+    command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("starting {command:?}"))
+}
+
 /// Starts `command` pinned to `core` (the child inherits the affinity set just before).
-fn spawn_pinned(mut command: Command, core: usize) -> Result<Child> {
-    let restore = allowed_cores()?;
-    pin_current_thread(&[core])?;
-    let child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn();
-    pin_current_thread(&restore)?;
-    child.with_context(|| format!("starting {command:?}"))
+fn spawn_pinned(command: Command, core: usize) -> Result<Child> {
+    pinned(&[core], || spawn(command))
 }
 
 /// Waits for `child` and reads the `key: value` line it printed last.
@@ -129,8 +134,8 @@ impl Torch<'_> {
     }
 }
 
-/// The scaling figures (see the module docs); `python` is `None` when PyTorch is absent
-/// (its figures are then printed as skipped, with `why`).
+/// The scaling figures (see the module docs); `python` is the interpreter with PyTorch, or
+/// why there is none (its figures are then printed as skipped, with that reason).
 pub fn figures(steps: usize, python: Result<&Path, &str>) -> Result<Vec<(String, f64)>> {
     let config = qwen3_29m();
     let cores = allowed_cores()?;
@@ -212,7 +217,7 @@ pub fn figures(steps: usize, python: Result<&Path, &str>) -> Result<Vec<(String,
                     children.into_iter().map(|c| read_figure(c, key)).sum::<Result<f64>>()?;
                 // The FSDP2 processes pin themselves, rank r to the r-th allowed core.
                 let w2 = pinned(&[cores[0], cores[1]], || {
-                    read_figure(run_unpinned(&torch, &["--fsdp-world", "2"])?, key)
+                    read_figure(spawn(torch.command(&["--fsdp-world", "2"]))?, key)
                 })?;
                 println!(
                     "  [pytorch] two cores: two independent single-device processes {independent:.1} tokens/s in sum; \
@@ -224,9 +229,4 @@ pub fn figures(steps: usize, python: Result<&Path, &str>) -> Result<Vec<(String,
         }
     }
     Ok(figures)
-}
-
-fn run_unpinned(torch: &Torch, extra: &[&str]) -> Result<Child> {
-    let mut c = torch.command(extra);
-    c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().context("starting torch_bench.py")
 }
