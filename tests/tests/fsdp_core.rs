@@ -509,3 +509,29 @@ fn activation_checkpointing_reproduces_pytorch_fsdp2_and_single() {
         );
     }
 }
+
+/// A run with nothing to re-gather in backward (W = 1, or units kept gathered) trains on
+/// `Autodiff<B>` without balanced checkpointing (`xtask::train::regathers`): exactly the same
+/// numbers, step for step, as `--no-fsdp` and as the resharded run on balanced checkpointing.
+#[test]
+fn runs_without_regathering_skip_recomputation_and_train_bit_identically() {
+    let args = |flags: &[&str]| train_args("qwen3-tiny-a", &[flags, &["--steps", "3"][..]].concat());
+    let series = |flags: &[&str]| -> Vec<(f64, f64)> {
+        xtask::train::run(&args(flags)).unwrap().iter().map(|m| (m.loss, m.grad_norm)).collect()
+    };
+    let (w1, w2, w2_kept) = (
+        args(&["--world-size", "1"]),
+        args(&["--world-size", "2"]),
+        args(&["--world-size", "2", "--reshard-after-forward", "false"]),
+    );
+    assert!(!xtask::train::regathers(&w1, 1));
+    assert!(xtask::train::regathers(&w2, 2));
+    assert!(!xtask::train::regathers(&w2_kept, 2));
+    assert!(xtask::train::regathers(&args(&["--world-size", "1", "--offload"]), 1));
+    assert!(xtask::train::regathers(&args(&["--world-size", "1", "--activation-checkpointing", "block"]), 1));
+    assert_eq!(series(&["--world-size", "1"]), series(&["--no-fsdp"]));
+    assert_eq!(
+        series(&["--world-size", "2", "--reshard-after-forward", "false"]),
+        series(&["--world-size", "2"])
+    );
+}

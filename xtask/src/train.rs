@@ -7,7 +7,9 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
+use burn::backend::autodiff::checkpoint::strategy::{
+    BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
+};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::{DType, ElementConversion, Int, Tensor};
 use burn_fsdp::activation::checkpointed;
@@ -1341,6 +1343,18 @@ pub fn train_single_on<AB: FsdpBackend + qwen3_burn::train::LossBackend>(
 /// parameters are re-gathered in backward.
 pub type FsdpTrainBackend<B> = burn::backend::Autodiff<B, BalancedCheckpointing>;
 
+/// Whether an FSDP rank's backward has anything to re-gather, i.e. whether it needs
+/// [`FsdpTrainBackend`]'s balanced checkpointing. Nothing does when every unit's shard is the
+/// whole parameter (one rank per shard group) or units stay gathered (`reshard_after_forward`
+/// off), without offload (whose shards live on the host) or block checkpointing (which
+/// re-runs blocks); then the rank trains on `Autodiff<B>` without recomputation — balanced
+/// checkpointing would also recompute every memory-bound op of the model in backward, which
+/// costs ~4 % of a step here (docs/performance.md). Both give the same values.
+pub fn regathers(args: &TrainArgs, shard_world: usize) -> bool {
+    let resharded = args.reshard_after_forward.unwrap_or(true) && shard_world > 1;
+    resharded || args.offload || args.activation_checkpointing != ActivationCheckpointing::None
+}
+
 /// This rank's handles on its mesh: for a flat run the world group only; for `--mesh` the
 /// `(dp, tp)` groups, for `--hsdp` the `(replicate, shard)` groups.
 pub struct RankGroups<B: burn::tensor::backend::Backend> {
@@ -1520,7 +1534,15 @@ pub fn fsdp_rank<B: burn::tensor::backend::Backend>(
     use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
     burn_fsdp::comm::quiet_collective_panics();
     let at = std::cell::Cell::new(None);
-    match catch_unwind(AssertUnwindSafe(|| fsdp_rank_steps(args, setup, groups, sink, &at))) {
+    let shard_world = match (groups.topology, &groups.inner) {
+        (Topology::Hsdp { .. }, Some(shard)) => shard.size(),
+        _ => groups.outer.size(),
+    };
+    let run = || match regathers(args, shard_world) {
+        true => fsdp_rank_steps::<B, BalancedCheckpointing>(args, setup, groups, sink, &at),
+        false => fsdp_rank_steps::<B, NoCheckpointing>(args, setup, groups, sink, &at),
+    };
+    match catch_unwind(AssertUnwindSafe(run)) {
         Ok(r) => r,
         Err(p) if p.is::<burn_fsdp::CollectiveFailure>() => {
             let what = burn_fsdp::comm::panic_message(p.as_ref());
@@ -1533,15 +1555,15 @@ pub fn fsdp_rank<B: burn::tensor::backend::Backend>(
     }
 }
 
-/// [`fsdp_rank`]'s body; `at` is the step under way.
-fn fsdp_rank_steps<B: burn::tensor::backend::Backend>(
+/// [`fsdp_rank`]'s body on `Autodiff<B, C>` (see [`regathers`]); `at` is the step under way.
+fn fsdp_rank_steps<B: burn::tensor::backend::Backend, C: CheckpointStrategy>(
     args: &TrainArgs,
     setup: &Setup,
     groups: RankGroups<B>,
     sink: &MetricsSink,
     at: &std::cell::Cell<Option<usize>>,
 ) -> Result<Vec<StepMetrics>> {
-    type Ad<B> = FsdpTrainBackend<B>;
+    type Ad<B, C> = burn::backend::Autodiff<B, C>;
     let RankGroups { topology, rank, outer, inner, gate, device } = groups;
     let Setup { config, model, batches, steps, resume } = setup;
     let steps = *steps;
@@ -1555,7 +1577,7 @@ fn fsdp_rank_steps<B: burn::tensor::backend::Backend>(
         // Tensor parallelism splits whole parameters first: this rank builds the model, then
         // keeps its TP slices and FSDP shards of them.
         (Topology::DpTp { .. }, Some(tp_group)) => {
-            let replica = model.model::<Ad<B>>(config, &device)?;
+            let replica = model.model::<Ad<B, C>>(config, &device)?;
             let (m, plan) = TensorParallel::apply(replica, tp_group.clone(), qwen3_tp_plan(config))?;
             tp = Some(plan);
             Fsdp::wrap(m, &DeviceMesh::new_1d(outer.clone(), device.clone()), fsdp_config(args))?
@@ -1568,7 +1590,7 @@ fn fsdp_rank_steps<B: burn::tensor::backend::Backend>(
                 }
                 _ => DeviceMesh::new_1d(outer.clone(), device.clone()),
             };
-            let skeleton = model.skeleton::<Ad<B>>(config, &device);
+            let skeleton = model.skeleton::<Ad<B, C>>(config, &device);
             Fsdp::wrap_deferred(skeleton, &mesh, fsdp_config(args), model.shards())?
         }
     };
@@ -1591,10 +1613,10 @@ fn fsdp_rank_steps<B: burn::tensor::backend::Backend>(
         for m in 0..micro {
             fsdp.set_requires_gradient_sync(m + 1 == micro);
             let first_row = data_rank * rows_per_rank + m * rows_per_micro;
-            let tokens = batches.rows::<Ad<B>>(step, first_row..first_row + rows_per_micro, &device);
+            let tokens = batches.rows::<Ad<B, C>>(step, first_row..first_row + rows_per_micro, &device);
             let (inputs, labels) = inputs_and_labels(tokens);
             let chunk = loss_chunk_rows(config.vocab_size, LOSS_CHUNK_BYTES);
-            let loss_of = |model: &Qwen3<Ad<B>>, hidden: Tensor<Ad<B>, 3>| {
+            let loss_of = |model: &Qwen3<Ad<B, C>>, hidden: Tensor<Ad<B, C>, 3>| {
                 chunked_cross_entropy(hidden, model.head_weight(), labels, chunk).div_scalar(micro as f64)
             };
             let backward_gate = || match &gate {
@@ -1627,7 +1649,7 @@ fn fsdp_rank_steps<B: burn::tensor::backend::Backend>(
         let mut grads = grads.context("no micro-batch ran")?;
         let grad_norm = match &tp {
             Some(tp) => {
-                tp.reduce_partial_grads::<Ad<B>, _>(fsdp.module(), &mut grads)?;
+                tp.reduce_partial_grads::<Ad<B, C>, _>(fsdp.module(), &mut grads)?;
                 fsdp.clip_grad_norm_tp(&mut grads, args.clip.unwrap_or(0.0), tp)?
             }
             None => fsdp.clip_grad_norm(&mut grads, args.clip.unwrap_or(0.0))?,
