@@ -6,10 +6,10 @@
 //! (the `narrow` backward), summed one after another: for a decoder layer of 11 parameters,
 //! 11 unit-sized allocations and 10 unit-sized additions per rank, where one buffer is enough.
 //! Here the first view whose backward runs allocates the gathered buffer's gradient and every
-//! other view adds its piece into that same buffer in place (FSDP2's reduce-scatter copy-in).
+//! other view writes its piece into that same buffer in place (FSDP2's reduce-scatter copy-in).
 //!
 //! The values are unchanged: each element of the buffer receives its parameter's gradient
-//! added to zero, as before.
+//! (where the narrow path added it to zero).
 //!
 //! What backward keeps follows the unit's `reshard_after_forward`. A resharded unit's views
 //! are memory-bound (like Burn's `narrow`): under `BalancedCheckpointing` a view that backward
@@ -118,9 +118,9 @@ impl ParamView {
         }
     }
 
-    /// Adds `grad` (the parameter's gradient, `global_shape`) into its places in `buffer`
+    /// Writes `grad` (the parameter's gradient, `global_shape`) into its places in `buffer`
     /// (`[world · unit_len]`, or a fresh zero buffer when `None`).
-    fn add_into<B: Backend>(
+    fn write_into<B: Backend>(
         &self,
         grad: FloatTensor<B>,
         buffer: Option<FloatTensor<B>>,
@@ -142,7 +142,11 @@ impl ParamView {
             let have = rows.len() * self.param.row_numel();
             // Flattened one rank's rows at a time: a reshape may copy (NdArray), and a copy
             // of 1/world of the gradient is all this then holds at once.
-            let piece = B::float_slice(grad.clone(), &[Slice::from(rows)]);
+            // (All of the gradient's rows — one rank — need no slice, which copies on NdArray.)
+            let piece = match Some(&rows.len()) == self.param.global_shape.first() {
+                true => grad.clone(),
+                false => B::float_slice(grad.clone(), &[Slice::from(rows)]),
+            };
             let piece = if self.param.global_shape.len() == 1 {
                 piece
             } else {
@@ -150,10 +154,11 @@ impl ParamView {
             };
             let start = r * unit_len + self.offset;
             let place = [Slice::from(start..start + have)];
-            // The slice is consumed by the addition, so the buffer is the assignment's only
-            // owner again and backends that can write in place do.
-            let sum = B::float_add(B::float_slice(buffer.clone(), &place), piece);
-            buffer = B::float_slice_assign(buffer, &place, sum);
+            // The parameter's place in the buffer is still zero: each view's backward runs
+            // once per gather (Burn sums a view's uses first) and writes only its own place.
+            // So the piece is written, not added (FSDP2's copy-in), and the buffer is the
+            // assignment's only owner, which backends that can write in place do.
+            buffer = B::float_slice_assign(buffer, &place, piece);
         }
         buffer
     }
@@ -178,7 +183,7 @@ impl<B: Backend> Backward<B, 1> for ViewBackward {
         let is_leaf = parent.parents.is_empty();
         let reuse = self.group.started.swap(true, Ordering::Relaxed) && !is_leaf;
         let buffer = reuse.then(|| grads.consume::<B>(parent));
-        let buffer = self.view.add_into::<B>(grad, buffer, world, unit_len);
+        let buffer = self.view.write_into::<B>(grad, buffer, world, unit_len);
         grads.register::<B>(parent.id, buffer);
     }
 }

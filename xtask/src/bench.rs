@@ -52,6 +52,10 @@ pub struct BenchArgs {
     /// Internal: one single-device run of the scaling model, in a process pinned by `bench`.
     #[arg(long, hide = true)]
     pub scaling_worker: bool,
+    /// With `--scaling-worker`: FSDP over this many in-process ranks instead (4 rows per rank),
+    /// for profiling one side of a scaling figure (docs/performance.md).
+    #[arg(long, hide = true, requires = "scaling_worker")]
+    pub world: Option<usize>,
 }
 
 // ---------------------------------------------------------------------------------------
@@ -554,7 +558,7 @@ pub fn run(args: &BenchArgs) -> Result<Vec<(String, f64)>> {
         return Ok(figures);
     }
     if args.scaling_worker {
-        crate::scaling::worker(args.steps)?;
+        crate::scaling::worker(args.steps, args.world)?;
         return Ok(Vec::new());
     }
     if args.qwen3_06b_memory {

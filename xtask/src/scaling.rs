@@ -60,10 +60,11 @@ pub fn allowed_cores() -> Result<Vec<usize>> {
     Ok((0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect())
 }
 
-/// `bench --scaling-worker`: one single-device run of the scaling model, as a process of its
-/// own (pinned by its parent); prints `tokens_per_sec: X`.
-pub fn worker(steps: usize) -> Result<()> {
-    let t = train_throughput(&qwen3_29m(), None, ROWS, SEQ, steps, &[])?;
+/// `bench --scaling-worker`: one single-device run of the scaling model (FSDP over `world`
+/// in-process ranks if given), as a process of its own (pinned by its parent or by
+/// `taskset`); prints `tokens_per_sec: X`.
+pub fn worker(steps: usize, world: Option<usize>) -> Result<()> {
+    let t = train_throughput(&qwen3_29m(), world, ROWS * world.unwrap_or(1), SEQ, steps, &[])?;
     println!("tokens_per_sec: {}", t.tokens_per_sec);
     Ok(())
 }
