@@ -1339,8 +1339,8 @@ pub fn train_single_on<AB: FsdpBackend + qwen3_burn::train::LossBackend>(
     Ok(out)
 }
 
-/// The autodiff backend of FSDP training: balanced checkpointing, so that resharded
-/// parameters are re-gathered in backward.
+/// The autodiff backend of FSDP training when backward re-gathers ([`regathers`]): balanced
+/// checkpointing, so that resharded parameters are re-gathered in backward.
 pub type FsdpTrainBackend<B> = burn::backend::Autodiff<B, BalancedCheckpointing>;
 
 /// Whether an FSDP rank's backward has anything to re-gather, i.e. whether it needs
