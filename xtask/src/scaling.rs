@@ -115,6 +115,18 @@ fn pinned<T>(cores: &[usize], f: impl FnOnce() -> Result<T>) -> Result<T> {
     out
 }
 
+/// Runs `a` then `b`, twice (A B A B), and returns the mean of each: the machine's speed
+/// drifts by several percent from one run to the next, and alternating spreads that drift over
+/// both sides.
+fn alternated(mut a: impl FnMut() -> Result<f64>, mut b: impl FnMut() -> Result<f64>) -> Result<(f64, f64)> {
+    let (mut sum_a, mut sum_b) = (0.0, 0.0);
+    for _ in 0..2 {
+        sum_a += a()?;
+        sum_b += b()?;
+    }
+    Ok((sum_a / 2.0, sum_b / 2.0))
+}
+
 /// The PyTorch side: `torch_bench.py` in its scaling modes.
 struct Torch<'a> {
     python: &'a Path,
@@ -150,12 +162,10 @@ pub fn figures(steps: usize, python: Result<&Path, &str>) -> Result<Vec<(String,
     let core0 = *cores.first().context("sched_getaffinity allowed no core")?;
 
     // FSDP at W = 1 against --no-fsdp, on one core, alternated.
-    let (mut single, mut w1) = (0.0, 0.0);
-    for _ in 0..2 {
-        single += pinned(&[core0], || train_throughput(&config, None, ROWS, SEQ, steps, &[]))?.tokens_per_sec;
-        w1 += pinned(&[core0], || train_throughput(&config, Some(1), ROWS, SEQ, steps, &[]))?.tokens_per_sec;
-    }
-    let (single, w1) = (single / 2.0, w1 / 2.0);
+    let on_core0 = |world| {
+        pinned(&[core0], || train_throughput(&config, world, ROWS, SEQ, steps, &[])).map(|t| t.tokens_per_sec)
+    };
+    let (single, w1) = alternated(|| on_core0(None), || on_core0(Some(1)))?;
     println!(
         "  one core: single device {single:.1} tokens/s, FSDP W=1 {w1:.1} tokens/s (mean of two alternated runs each)"
     );
@@ -171,17 +181,16 @@ pub fn figures(steps: usize, python: Result<&Path, &str>) -> Result<Vec<(String,
             c.args(["bench", "--scaling-worker", "--steps", &steps.to_string()]);
             c
         };
-        // Alternated A B A B, as at W = 1: the pair's throughput drifts by several percent
-        // from one run to the next on a shared machine.
-        let (mut independent, mut w2) = (0.0, 0.0);
-        for _ in 0..2 {
-            let children = [spawn_pinned(worker(), pair[0])?, spawn_pinned(worker(), pair[1])?];
-            independent +=
-                children.into_iter().map(|c| read_figure(c, "tokens_per_sec")).sum::<Result<f64>>()?;
-            w2 += pinned(&pair, || train_throughput(&config, Some(2), 2 * ROWS, SEQ, steps, &[]))?
-                .tokens_per_sec;
-        }
-        let (independent, w2) = (independent / 2.0, w2 / 2.0);
+        let (independent, w2) = alternated(
+            || {
+                let children = [spawn_pinned(worker(), pair[0])?, spawn_pinned(worker(), pair[1])?];
+                children.into_iter().map(|c| read_figure(c, "tokens_per_sec")).sum()
+            },
+            || {
+                pinned(&pair, || train_throughput(&config, Some(2), 2 * ROWS, SEQ, steps, &[]))
+                    .map(|t| t.tokens_per_sec)
+            },
+        )?;
         println!(
             "  two cores: two independent single-device processes, one per core, {independent:.1} tokens/s in sum; \
              FSDP W=2 {w2:.1} tokens/s (means of two alternated runs each)"
@@ -208,12 +217,10 @@ pub fn figures(steps: usize, python: Result<&Path, &str>) -> Result<Vec<(String,
             let torch = Torch { python, config_dir: &dir, steps };
             let key = "train_step_tokens_per_sec";
             let run = |extra: &[&str], core: usize| spawn_pinned(torch.command(extra), core);
-            let (mut t_single, mut t_w1) = (0.0, 0.0);
-            for _ in 0..2 {
-                t_single += read_figure(run(&[], core0)?, key)?;
-                t_w1 += read_figure(run(&["--fsdp-world", "1"], core0)?, key)?;
-            }
-            let (t_single, t_w1) = (t_single / 2.0, t_w1 / 2.0);
+            let (t_single, t_w1) = alternated(
+                || read_figure(run(&[], core0)?, key),
+                || read_figure(run(&["--fsdp-world", "1"], core0)?, key),
+            )?;
             println!(
                 "  [pytorch] one core: single device {t_single:.1} tokens/s, FSDP2 W=1 {t_w1:.1} tokens/s"
             );

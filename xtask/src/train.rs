@@ -362,6 +362,16 @@ impl Topology {
         a * b
     }
 
+    /// Ranks each FSDP unit is sharded over: the world when flat, `dp` for `--mesh` (FSDP runs
+    /// over the data-parallel dimension), `shard` for `--hsdp`.
+    pub fn shard_world(self) -> usize {
+        match self {
+            Topology::Flat(w) => w,
+            Topology::DpTp { dp, .. } => dp,
+            Topology::Hsdp { shard, .. } => shard,
+        }
+    }
+
     /// Ranks that see different data (the batch is split across them).
     pub fn data_world(self) -> usize {
         match self {
@@ -1534,11 +1544,7 @@ pub fn fsdp_rank<B: burn::tensor::backend::Backend>(
     use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
     burn_fsdp::comm::quiet_collective_panics();
     let at = std::cell::Cell::new(None);
-    let shard_world = match (groups.topology, &groups.inner) {
-        (Topology::Hsdp { .. }, Some(shard)) => shard.size(),
-        _ => groups.outer.size(),
-    };
-    let run = || match regathers(args, shard_world) {
+    let run = || match regathers(args, groups.topology.shard_world()) {
         true => fsdp_rank_steps::<B, BalancedCheckpointing>(args, setup, groups, sink, &at),
         false => fsdp_rank_steps::<B, NoCheckpointing>(args, setup, groups, sink, &at),
     };
