@@ -95,7 +95,22 @@ impl ParamView {
     /// copies of its result), so the gathered buffer is never reshaped and nothing of the
     /// parameter's full size is made but the result (for Qwen3-0.6B's embedding, 594 MiB per
     /// rank, where the `cat` path made three such buffers at once).
+    /// On NdArray the pieces are copied straight from the gathered buffer's memory (see
+    /// [`host`]); elsewhere with the backend's ops.
     pub fn cut<B: Backend>(&self, gathered: FloatTensor<B>, world: usize, unit_len: usize) -> FloatTensor<B> {
+        match host::cut::<B>(self, &gathered, world, unit_len) {
+            Some(full) => full,
+            None => self.cut_generic::<B>(gathered, world, unit_len),
+        }
+    }
+
+    /// [`Self::cut`] with the backend's ops: any backend.
+    fn cut_generic<B: Backend>(
+        &self,
+        gathered: FloatTensor<B>,
+        world: usize,
+        unit_len: usize,
+    ) -> FloatTensor<B> {
         let rows = self.param.rows_per_rank;
         let piece_shape = Shape::from(self.param.shard_shape());
         let padded = self.padded_shape(world);
@@ -121,6 +136,20 @@ impl ParamView {
     /// Writes `grad` (the parameter's gradient, `global_shape`) into its places in `buffer`
     /// (`[world · unit_len]`, or a fresh zero buffer when `None`).
     fn write_into<B: Backend>(
+        &self,
+        grad: FloatTensor<B>,
+        buffer: Option<FloatTensor<B>>,
+        world: usize,
+        unit_len: usize,
+    ) -> FloatTensor<B> {
+        match host::write_into::<B>(self, grad, buffer, world, unit_len) {
+            Ok(written) => written,
+            Err((grad, buffer)) => self.write_generic::<B>(grad, buffer, world, unit_len),
+        }
+    }
+
+    /// [`Self::write_into`] with the backend's ops: any backend.
+    fn write_generic<B: Backend>(
         &self,
         grad: FloatTensor<B>,
         buffer: Option<FloatTensor<B>>,
@@ -159,6 +188,178 @@ impl ParamView {
             // So the piece is written, not added (FSDP2's copy-in), and the buffer is the
             // assignment's only owner, which backends that can write in place do.
             buffer = B::float_slice_assign(buffer, &place, piece);
+        }
+        buffer
+    }
+
+    /// Rank `r`'s rows of the parameter in its shard (`0..rows_per_rank` less any padding),
+    /// as a range of elements of the parameter's flattened value. (A 0-d parameter is one row.)
+    fn elements_of(&self, r: usize) -> std::ops::Range<usize> {
+        let d0 = self.param.global_shape.first().copied().unwrap_or(1);
+        let row = self.param.row_numel();
+        let start = (r * self.param.rows_per_rank).min(d0);
+        let end = ((r + 1) * self.param.rows_per_rank).min(d0);
+        start * row..end * row
+    }
+}
+
+/// The views on NdArray, whose `slice`, `reshape` and `cat` each copy their result: there the
+/// generic [`ParamView::cut`] costs a zero fill and three copies of the parameter (slice,
+/// reshape, assign), and its backward as many. On NdArray tensors of `f32`/`f64` in standard
+/// layout the pieces are copied once, straight between the buffers' memory, and the result is
+/// handed to the backend without a further copy (`from_data` keeps an owned `Vec`). Every
+/// other backend, dtype or layout takes the generic path; both give the same bits (the
+/// tests run the views on NdArray and on Flex against Burn's own narrow path).
+mod host {
+    use std::any::Any;
+
+    use burn::backend::ndarray::{NdArrayTensor, SharedArray};
+    use burn::tensor::backend::Backend;
+    use burn::tensor::ops::FloatTensor;
+    use burn::tensor::{Element, TensorData};
+
+    use super::ParamView;
+
+    /// `value` as type `T` when it is one (moved, not copied); else `value` back.
+    fn cast<S: 'static, T: 'static>(value: S) -> Result<T, S> {
+        let mut slot = Some(value);
+        match (&mut slot as &mut dyn Any).downcast_mut::<Option<T>>() {
+            Some(t) => Ok(t.take().expect("the slot was just filled")),
+            None => Err(slot.expect("the slot is still filled")),
+        }
+    }
+
+    /// `value` as type `T`, which the caller has checked it is.
+    fn must<S: 'static, T: 'static>(value: S, checked: &str) -> T {
+        match cast(value) {
+            Ok(t) => t,
+            Err(_) => unreachable!("{checked}"),
+        }
+    }
+
+    /// The parameter's value out of NdArray's gathered buffer, or `None` (generic path).
+    pub(super) fn cut<B: Backend>(
+        view: &ParamView,
+        gathered: &FloatTensor<B>,
+        world: usize,
+        unit_len: usize,
+    ) -> Option<FloatTensor<B>> {
+        fn pieces<E: Copy>(view: &ParamView, src: &[E], world: usize, unit_len: usize) -> Vec<E> {
+            let mut out = Vec::with_capacity(view.param.numel().max(1));
+            for r in 0..world {
+                let have = view.elements_of(r).len();
+                let start = r * unit_len + view.offset;
+                out.extend_from_slice(&src[start..start + have]);
+            }
+            out
+        }
+        let data = match (gathered as &dyn Any).downcast_ref::<NdArrayTensor>()? {
+            NdArrayTensor::F32(s) => TensorData::new(
+                pieces(view, s.view().as_slice()?, world, unit_len),
+                view.param.global_shape.clone(),
+            ),
+            NdArrayTensor::F64(s) => TensorData::new(
+                pieces(view, s.view().as_slice()?, world, unit_len),
+                view.param.global_shape.clone(),
+            ),
+            _ => return None,
+        };
+        Some(B::float_from_data(data, &B::float_device(gathered)))
+    }
+
+    /// A gradient and the gradient buffer so far, handed back for the generic path.
+    type Generic<B> = (FloatTensor<B>, Option<FloatTensor<B>>);
+
+    /// [`ParamView::write_into`](super::ParamView) on NdArray, or its arguments back.
+    pub(super) fn write_into<B: Backend>(
+        view: &ParamView,
+        grad: FloatTensor<B>,
+        buffer: Option<FloatTensor<B>>,
+        world: usize,
+        unit_len: usize,
+    ) -> Result<FloatTensor<B>, Generic<B>> {
+        let fits = match (
+            (&grad as &dyn Any).downcast_ref(),
+            buffer.as_ref().map(|b| (b as &dyn Any).downcast_ref()),
+        ) {
+            (Some(NdArrayTensor::F32(g)), None | Some(Some(NdArrayTensor::F32(_)))) => {
+                g.view().is_standard_layout()
+            }
+            (Some(NdArrayTensor::F64(g)), None | Some(Some(NdArrayTensor::F64(_)))) => {
+                g.view().is_standard_layout()
+            }
+            _ => false,
+        };
+        if !fits {
+            return Err((grad, buffer));
+        }
+        let grad: NdArrayTensor = must(grad, "checked above: an NdArray gradient");
+        let buffer: Option<NdArrayTensor> = buffer.map(|b| must(b, "checked above: an NdArray buffer"));
+        let written = match (grad, buffer) {
+            (NdArrayTensor::F32(g), None) => NdArrayTensor::F32(
+                place(
+                    view,
+                    g.view().as_slice().expect("checked above: standard layout"),
+                    None,
+                    world,
+                    unit_len,
+                )
+                .into(),
+            ),
+            (NdArrayTensor::F32(g), Some(NdArrayTensor::F32(b))) => NdArrayTensor::F32(
+                place(
+                    view,
+                    g.view().as_slice().expect("checked above: standard layout"),
+                    Some(b.into_owned()),
+                    world,
+                    unit_len,
+                )
+                .into(),
+            ),
+            (NdArrayTensor::F64(g), None) => NdArrayTensor::F64(
+                place(
+                    view,
+                    g.view().as_slice().expect("checked above: standard layout"),
+                    None,
+                    world,
+                    unit_len,
+                )
+                .into(),
+            ),
+            (NdArrayTensor::F64(g), Some(NdArrayTensor::F64(b))) => NdArrayTensor::F64(
+                place(
+                    view,
+                    g.view().as_slice().expect("checked above: standard layout"),
+                    Some(b.into_owned()),
+                    world,
+                    unit_len,
+                )
+                .into(),
+            ),
+            _ => unreachable!("checked above: an f32 or f64 gradient and buffer of its dtype"),
+        };
+        Ok(must(written, "checked above: B's float tensor is NdArrayTensor"))
+    }
+
+    /// Writes each rank's rows of `src` (a parameter's gradient) into its place of `buffer` (a fresh zero buffer of
+    /// `world · unit_len` when `None`): one copy, in place when the buffer is not shared.
+    fn place<E: Element>(
+        view: &ParamView,
+        src: &[E],
+        buffer: Option<SharedArray<E>>,
+        world: usize,
+        unit_len: usize,
+    ) -> SharedArray<E> {
+        let mut buffer =
+            buffer.unwrap_or_else(|| SharedArray::<E>::from_elem(vec![world * unit_len], E::from_elem(0.0)));
+        let dst = buffer.as_slice_mut().expect("a flat buffer is contiguous");
+        for r in 0..world {
+            let rows = view.elements_of(r);
+            if rows.is_empty() {
+                break;
+            }
+            let start = r * unit_len + view.offset;
+            dst[start..start + rows.len()].copy_from_slice(&src[rows]);
         }
         buffer
     }
@@ -235,10 +436,11 @@ pub(crate) fn param_view<B: Backend, C: CheckpointStrategy>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn::backend::NdArray;
     use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, NoCheckpointing};
+    use burn::backend::{Flex, NdArray};
     use burn::module::ParamId;
     use burn::tensor::backend::AutodiffBackend;
+    use burn::tensor::ops::FloatTensorOps;
     use burn::tensor::{Distribution, Tensor, TensorPrimitive};
 
     /// The gathered buffer's gradient through the views equals, bit for bit, the one through
@@ -313,5 +515,68 @@ mod tests {
         for (leaf, recompute) in [(false, false), (true, false), (false, true), (true, true)] {
             views_match_narrow::<Autodiff<NdArray, BalancedCheckpointing>>(leaf, recompute);
         }
+    }
+
+    /// Flex takes the generic path (NdArray the host one): the same bits as the narrow path.
+    #[test]
+    fn views_match_narrow_on_the_generic_path() {
+        for (leaf, recompute) in [(false, false), (true, false), (false, true), (true, true)] {
+            views_match_narrow::<Autodiff<Flex, NoCheckpointing>>(leaf, recompute);
+            views_match_narrow::<Autodiff<Flex, BalancedCheckpointing>>(leaf, recompute);
+        }
+    }
+
+    /// NdArray's host path and the generic path give the same parameter and the same gradient
+    /// buffer, bit for bit, with padding (world 3, 7 rows) and without (world 1), for a fresh
+    /// buffer and one another view has written; Flex's tensors are left to the generic path.
+    #[test]
+    fn host_path_equals_generic_path() {
+        type T = FloatTensor<NdArray>;
+        let device = Default::default();
+        let data = |t: T| Tensor::<NdArray, 1>::from_primitive(TensorPrimitive::Float(t)).into_data();
+        let flat = |t: T| Tensor::<NdArray, 2>::from_primitive(TensorPrimitive::Float(t)).reshape([-1]);
+        for world in [1, 3] {
+            let param = ShardedParam::new(ParamId::new(), "p".into(), vec![7, 5], world);
+            let other = ShardedParam::new(ParamId::new(), "q".into(), vec![2], world);
+            let unit_len = other.shard_numel() + param.shard_numel();
+            let (view, other) = (ParamView::of(&param, other.shard_numel()), ParamView::of(&other, 0));
+            let random = |shape: Vec<usize>| {
+                let n = shape.iter().product::<usize>();
+                let t = Tensor::<NdArray, 1>::random([n], Distribution::Normal(0.0, 1.0), &device);
+                <NdArray as FloatTensorOps<NdArray>>::float_reshape(
+                    t.into_primitive().tensor(),
+                    Shape::from(shape),
+                )
+            };
+            let gathered = random(vec![world * unit_len]);
+            let host =
+                host::cut::<NdArray>(&view, &gathered, world, unit_len).expect("an NdArray f32 tensor");
+            let generic = view.cut_generic::<NdArray>(gathered.clone(), world, unit_len);
+            assert_eq!(flat(host).into_data(), flat(generic).into_data(), "world {world}: cut");
+
+            let grad = random(vec![7, 5]);
+            let other_grad = random(vec![2]);
+            let first = |host: bool| match host {
+                true => host::write_into::<NdArray>(&other, other_grad.clone(), None, world, unit_len).ok(),
+                false => Some(other.write_generic::<NdArray>(other_grad.clone(), None, world, unit_len)),
+            };
+            for buffer in [false, true] {
+                let buffer_host = buffer.then(|| first(true).expect("the host path"));
+                let buffer_generic = buffer.then(|| first(false).expect("the generic path"));
+                let Ok(host) = host::write_into::<NdArray>(&view, grad.clone(), buffer_host, world, unit_len)
+                else {
+                    panic!("world {world}: an NdArray f32 gradient left to the generic path")
+                };
+                let generic = view.write_generic::<NdArray>(grad.clone(), buffer_generic, world, unit_len);
+                assert_eq!(data(host), data(generic), "world {world}: gradient (other view first: {buffer})");
+            }
+        }
+        let flex: FloatTensor<Flex> =
+            Tensor::<Flex, 1>::random([8], Distribution::Normal(0.0, 1.0), &Default::default())
+                .into_primitive()
+                .tensor();
+        let view = ParamView::of(&ShardedParam::new(ParamId::new(), "f".into(), vec![8], 1), 0);
+        assert!(host::cut::<Flex>(&view, &flex, 1, 8).is_none());
+        assert!(host::write_into::<Flex>(&view, flex, None, 1, 8).is_err());
     }
 }
