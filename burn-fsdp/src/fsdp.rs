@@ -14,9 +14,9 @@ use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 
 use crate::activation::{CheckpointRunner, Checkpointed, add_grads};
 use crate::collectives::UnitComm;
+use crate::comm::mesh::DeviceMesh;
 use crate::comm::{CommError, CommStats, ProcessGroup, ReduceOp, Tag};
 use crate::init::{InitError, ShardInit};
-use crate::mesh::DeviceMesh;
 use crate::offload::{HostStore, OffloadPolicy};
 use crate::op::FsdpBackend;
 use crate::optim::{TorchAdamW, clip_coefficient, grad_sq_sum, grad_sq_sum_split, scale_grads};

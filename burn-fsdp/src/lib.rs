@@ -13,10 +13,21 @@
 //!   global norm; [`Fsdp::set_requires_gradient_sync`] accumulates without communication.
 //! - Ranks talk through a [`ProcessGroup`]; [`LocalGroup`]/[`launch`] run ranks as threads.
 //!
-//! Module layout follows PyTorch's `_fully_shard/`: one concept per file — [`param`] (the
-//! sharded parameter), [`unit`] (the parameter group), [`collectives`], [`op`] (the autodiff
-//! hooks), [`view`] (the parameters cut out of a gathered unit), `replicas` (rank 0's values broadcast at wrap), [`init`] (deferred, per-shard
-//! initialisation: [`Fsdp::wrap_deferred`]), [`fsdp`] (the public API).
+//! Layout, by layer:
+//!
+//! - [`comm`] — the communication layer (PyTorch's c10d), which knows nothing of FSDP:
+//!   [`ProcessGroup`] and its transports ([`comm::local`] threads, [`comm::tcp`] processes,
+//!   `comm::mpi` with the `mpi` feature), the host reductions they share ([`comm::host`]) and
+//!   [`DeviceMesh`] ([`comm::mesh`]). Nothing in it imports from the files below.
+//! - FSDP proper, on top, after PyTorch's `_fully_shard/`, one concept per file: [`param`] (the
+//!   sharded parameter), [`unit`](mod@unit) (the parameter group), [`collectives`] and [`prefetch`] (the
+//!   unit's gathers and reduce-scatters, inline or on a communication thread), [`op`] (the
+//!   autodiff hooks), [`view`] (the parameters cut out of a gathered unit), [`offload`],
+//!   `replicas` (rank 0's values broadcast at wrap), [`init`] (deferred, per-shard
+//!   initialisation: [`Fsdp::wrap_deferred`]), [`runner`] and [`activation`] (the model's
+//!   hooks, activation checkpointing), [`fsdp`] (the public API).
+//! - Beside it: [`tp`] (tensor parallelism on a 2-D mesh), [`optim`] (AdamW on shards, clipping),
+//!   [`checkpoint`] and [`io`] (sharded state on disk).
 #![warn(missing_docs)]
 
 pub mod activation;
@@ -24,13 +35,8 @@ pub mod checkpoint;
 pub mod collectives;
 pub mod comm;
 pub mod fsdp;
-pub mod host;
 pub mod init;
 pub mod io;
-pub mod local;
-pub mod mesh;
-#[cfg(feature = "mpi")]
-pub mod mpi;
 pub mod offload;
 pub mod op;
 pub mod optim;
@@ -38,17 +44,16 @@ pub mod param;
 pub mod prefetch;
 mod replicas;
 pub mod runner;
-pub mod tcp;
 pub mod tp;
 pub mod unit;
 pub mod view;
 
+pub use comm::local::{LocalGroup, launch};
+pub use comm::mesh::DeviceMesh;
 pub use comm::{CollectiveFailure, CollectiveKind, CommError, CommStats, ProcessGroup, ReduceOp, Tag};
 pub use fsdp::{
     Fsdp, FsdpConfig, FsdpError, FsdpEvalRunner, FsdpRunner, MixedPrecisionPolicy, PathStack, UnitPolicy,
 };
-pub use local::{LocalGroup, launch};
-pub use mesh::DeviceMesh;
 pub use op::FsdpBackend;
 pub use optim::{TorchAdamW, TorchAdamWConfig, clip_grad_norm, grad_norm};
 pub use runner::{Direct, ModuleHooks, NoHooks, UnitRunner};

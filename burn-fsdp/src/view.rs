@@ -95,8 +95,8 @@ impl ParamView {
     /// copies of its result), so the gathered buffer is never reshaped and nothing of the
     /// parameter's full size is made but the result (for Qwen3-0.6B's embedding, 594 MiB per
     /// rank, where the `cat` path made three such buffers at once).
-    /// On NdArray the pieces are copied straight from the gathered buffer's memory (see
-    /// [`host`]); elsewhere with the backend's ops.
+    /// On NdArray the pieces are copied straight from the gathered buffer's memory, once;
+    /// elsewhere with the backend's ops.
     pub fn cut<B: Backend>(&self, gathered: FloatTensor<B>, world: usize, unit_len: usize) -> FloatTensor<B> {
         match host::cut::<B>(self, &gathered, world, unit_len) {
             Some(full) => full,

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_fsdp::local::CollectiveTime;
+use burn_fsdp::comm::local::CollectiveTime;
 use burn_fsdp::{CollectiveKind, DeviceMesh, Direct, Fsdp, LocalGroup, ProcessGroup, ReduceOp, Tag, launch};
 use qwen3_burn::train::{chunked_cross_entropy, cross_entropy, inputs_and_labels, loss_chunk_rows};
 use qwen3_burn::{Qwen3, Qwen3Config};

@@ -1,6 +1,6 @@
 //! `--launcher env`: one process per FSDP rank, joined through `RANK`, `WORLD_SIZE`,
 //! `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` (torchrun's variables) and connected over
-//! TCP ([`burn_fsdp::tcp::TcpGroup`]).
+//! TCP ([`burn_fsdp::comm::tcp::TcpGroup`]).
 //!
 //! - Started with those variables set, this process is one rank of the job.
 //! - Started without them, `cargo xtask train-qwen3 --launcher env --world-size 4 …` starts
@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use burn_fsdp::ProcessGroup;
-use burn_fsdp::tcp::{EnvRank, TcpGroup};
+use burn_fsdp::comm::tcp::{EnvRank, TcpGroup};
 
 use crate::launch::{check_job_consistent, shell_words};
 use crate::train::{DeviceKind, Precision, RankGroups, Setup, StepMetrics, Topology, TrainArgs};

@@ -228,7 +228,7 @@ pub fn check_job_consistent(
 /// This process's place in an MPI job.
 pub struct MpiRank {
     #[cfg(feature = "mpi")]
-    group: std::sync::Arc<burn_fsdp::mpi::MpiGroup>,
+    group: std::sync::Arc<burn_fsdp::comm::mpi::MpiGroup>,
 }
 
 impl MpiRank {
@@ -242,7 +242,7 @@ impl MpiRank {
                      (it runs mpirun itself) or start this command under mpirun"
                 );
             }
-            let group = burn_fsdp::mpi::MpiGroup::world(args.collective_timeout()?)
+            let group = burn_fsdp::comm::mpi::MpiGroup::world(args.collective_timeout()?)
                 .map_err(|e| anyhow::anyhow!("initialising MPI: {e}"))?;
             let want =
                 if args.mesh.is_some() || args.hsdp.is_some() { Some(args.world()) } else { args.world_size };
@@ -325,7 +325,7 @@ impl MpiRank {
                 precision,
                 self.rank(),
                 world,
-                burn_fsdp::mpi::MpiGroup::split,
+                burn_fsdp::comm::mpi::MpiGroup::split,
             );
             result.map_err(|e| {
                 let msg = format!("rank {}: {e:#}", self.rank());

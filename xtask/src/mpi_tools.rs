@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use burn::tensor::{DType, Tensor, TensorData};
+use burn_fsdp::comm::mpi::MpiGroup;
 use burn_fsdp::comm::{ProcessGroup, ReduceOp, Tag, check_same_on_all_ranks};
-use burn_fsdp::mpi::MpiGroup;
 use burn_fsdp::{CommError, launch};
 
 use crate::Backend as NdBackend;

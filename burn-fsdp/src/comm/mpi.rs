@@ -127,7 +127,7 @@ struct Listener {
 /// use burn::backend::NdArray;
 /// use burn::tensor::Tensor;
 /// use burn_fsdp::comm::{ProcessGroup, ReduceOp, Tag};
-/// use burn_fsdp::mpi::MpiGroup;
+/// use burn_fsdp::comm::mpi::MpiGroup;
 ///
 /// let group = MpiGroup::world(std::time::Duration::from_secs(60)).expect("MPI");
 /// let x = Tensor::<NdArray, 1>::from_floats([group.rank() as f32], &Default::default());
@@ -529,7 +529,7 @@ fn fnv32(bytes: &[u8]) -> u32 {
 }
 
 /// Wire code of a dtype.
-use crate::host::{dtype_code, from_bytes, to_bytes};
+use crate::comm::host::{dtype_code, from_bytes, to_bytes};
 
 impl MpiGroup {
     fn prepare<B: Backend>(
@@ -562,7 +562,7 @@ impl MpiGroup {
         if chunk == 0 {
             return Ok(Vec::new());
         }
-        crate::host::reduce_bytes(&parts, dtype, op).map_err(|m| self.bad(kind, tag, m))
+        crate::comm::host::reduce_bytes(&parts, dtype, op).map_err(|m| self.bad(kind, tag, m))
     }
 }
 

@@ -5,6 +5,25 @@
 //! on the tag, turning a silently mismatched collective order into an error. Every collective
 //! has a timeout: if a peer dies or stops arriving, the others get a [`CommError`] naming the
 //! collective and the missing rank instead of hanging.
+//!
+//! This is the crate's communication layer (PyTorch's c10d): it knows nothing of FSDP, and
+//! FSDP ([`crate::fsdp`] and the files beside it) sits on top of it.
+//!
+//! | file | what |
+//! |---|---|
+//! | `mod.rs` | [`ProcessGroup`], [`Tag`], [`CommError`], counters |
+//! | [`local`] | [`LocalGroup`](local::LocalGroup): ranks as threads of one process, [`launch`](local::launch) |
+//! | [`tcp`] | [`TcpGroup`](tcp::TcpGroup): one process per rank over TCP (`env://` rendezvous) |
+//! | `mpi` | `MpiGroup`: one process per rank over MPI (feature `mpi`) |
+//! | [`host`] | the host reductions and byte codecs the host-buffer transports share |
+//! | [`mesh`] | [`DeviceMesh`](mesh::DeviceMesh): 1-D and 2-D meshes of process groups |
+
+pub mod host;
+pub mod local;
+pub mod mesh;
+#[cfg(feature = "mpi")]
+pub mod mpi;
+pub mod tcp;
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};

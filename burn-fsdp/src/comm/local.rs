@@ -131,7 +131,7 @@ impl Shared {
 /// use burn::backend::NdArray;
 /// use burn::tensor::Tensor;
 /// use burn_fsdp::comm::{ProcessGroup, ReduceOp, Tag};
-/// use burn_fsdp::local::launch;
+/// use burn_fsdp::comm::local::launch;
 ///
 /// let sums = launch(3, std::time::Duration::from_secs(10), |group| {
 ///     let x = Tensor::<NdArray, 1>::from_floats([group.rank() as f32 + 1.0], &Default::default());
@@ -311,7 +311,7 @@ impl LocalGroup {
         let pick = if scatter { self.rank } else { 0 };
         let parts = self.host_parts(kind, tag, &inputs, pick, n, dtype)?;
         let bytes: Vec<&[u8]> = parts.iter().map(|p| p.as_bytes()).collect();
-        let data = match crate::host::reduce_bytes(&bytes, dtype, op) {
+        let data = match crate::comm::host::reduce_bytes(&bytes, dtype, op) {
             Ok(bytes) => TensorData::from_bytes_vec(bytes, [n], dtype),
             Err(_) => {
                 let tensors: Vec<Tensor<B, 1>> =
@@ -707,7 +707,7 @@ mod tests {
             let tensors: Vec<Tensor<B, 1>> = inputs.into_iter().map(t).collect();
             for op in [ReduceOp::Sum, ReduceOp::Avg] {
                 let bytes: Vec<&[u8]> = parts.iter().map(|p| p.as_bytes()).collect();
-                let host = crate::host::reduce_bytes(&bytes, DType::F32, op).unwrap();
+                let host = crate::comm::host::reduce_bytes(&bytes, DType::F32, op).unwrap();
                 let host: Vec<f32> =
                     host.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
                 let ops = vals(reduce_range(&tensors, 0..n, op));

@@ -12,7 +12,7 @@
 //! - a [`ProcessGroup`] on host buffers of any backend, like gloo in PyTorch: every
 //!   collective goes through a hub thread in rank 0's process, which checks that all ranks
 //!   issued the same collective (kind, tag, dtype, length) and reduces in rank order with the
-//!   same loop as [`LocalGroup`](crate::local::LocalGroup) and `MpiGroup` — so the three are
+//!   same loop as [`LocalGroup`](crate::comm::local::LocalGroup) and `MpiGroup` — so the three are
 //!   bit-identical. It is simple rather than fast (rank 0 relays every byte); use MPI or a
 //!   device communicator for bandwidth.
 //!
@@ -26,7 +26,7 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use burn_fsdp::tcp::{EnvRank, TcpGroup};
+//! use burn_fsdp::comm::tcp::{EnvRank, TcpGroup};
 //!
 //! // Started as `RANK=1 WORLD_SIZE=4 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 my-trainer`.
 //! let env = EnvRank::from_env().unwrap().expect("not started by an env launcher");
@@ -48,8 +48,8 @@ use std::time::{Duration, Instant};
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
+use crate::comm::host::{dtype_code, dtype_of_code, from_bytes, reduce_bytes, to_bytes};
 use crate::comm::{CollectiveKind, CommCounters, CommError, CommStats, ProcessGroup, ReduceOp, Tag};
-use crate::host::{dtype_code, dtype_of_code, from_bytes, reduce_bytes, to_bytes};
 
 /// `MASTER_PORT` when the variable is not set (as torchrun).
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
@@ -1171,7 +1171,7 @@ mod tests {
             ProcessGroup::<B>::barrier(&*g, &Tag::new("b")).unwrap();
             (ag, rs, ar, mx, bc)
         });
-        let local = crate::local::launch(world, Duration::from_secs(20), move |g| {
+        let local = crate::comm::local::launch(world, Duration::from_secs(20), move |g| {
             let d = Default::default();
             let t = |r: usize| Tensor::<B, 1>::from_floats(input(r).as_slice(), &d);
             let me = ProcessGroup::<B>::rank(&*g);

@@ -1,5 +1,5 @@
-//! Host reductions shared by the host-buffer transports ([`LocalGroup`](crate::local::LocalGroup),
-//! [`TcpGroup`](crate::tcp::TcpGroup) and, with the `mpi` feature, `MpiGroup`).
+//! Host reductions shared by the host-buffer transports ([`LocalGroup`](crate::comm::local::LocalGroup),
+//! [`TcpGroup`](crate::comm::tcp::TcpGroup) and, with the `mpi` feature, `MpiGroup`).
 //!
 //! Every transport reduces the ranks' little-endian element bytes in rank order with the same
 //! loop, so they give bit-identical results: `((p₀ + p₁) + p₂) + …`, then one division by the
