@@ -1,6 +1,7 @@
 //! Qwen3 for [Burn](https://burn.dev): the model, Hugging Face `config.json` + safetensors
 //! in and out (tied and untied heads, sharded checkpoints), the tokenizer, generation with a
-//! KV cache, and the training loss.
+//! KV cache, the training loss, and Qwen3's parallelisation plan (FSDP units, tensor
+//! parallelism: [`parallelize`]) beside the model, which knows nothing of it.
 #![warn(missing_docs)]
 
 pub mod checkpoint;
@@ -9,6 +10,7 @@ pub mod error;
 pub mod generate;
 pub mod init;
 pub mod model;
+pub mod parallelize;
 pub mod tokenizer;
 pub mod train;
 

@@ -636,7 +636,8 @@ pub fn setup(args: &TrainArgs) -> Result<Setup> {
         );
     }
     if let Topology::DpTp { dp, tp } = topology {
-        check_tp(&config, dp, tp)?;
+        qwen3_burn::parallelize::check_tp(&config, tp)
+            .map_err(|e| anyhow::anyhow!("--mesh {dp}x{tp}: {e}"))?;
     }
     if !(batches.rows / world).is_multiple_of(args.grad_accum) {
         bail!(
@@ -734,47 +735,6 @@ fn config_differences(given: &Qwen3Config, saved: &Qwen3Config) -> Vec<String> {
             format!("{k} {} vs {}", show(a.get(k)), show(b.get(k)))
         })
         .collect()
-}
-
-/// Checks that Qwen3's heads and MLP width split across the `tp` tensor-parallel ranks of
-/// `--mesh DPxTP`.
-pub fn check_tp(c: &Qwen3Config, dp: usize, tp: usize) -> Result<()> {
-    let (h, kv, inter) = (c.num_attention_heads, c.num_key_value_heads, c.intermediate_size);
-    if !h.is_multiple_of(tp) || !kv.is_multiple_of(tp) {
-        bail!(
-            "--mesh {dp}x{tp}: the model has {h} query heads and {kv} key/value heads; tensor parallelism \
-             needs both divisible by tp = {tp}"
-        );
-    }
-    if !inter.is_multiple_of(tp) {
-        bail!("--mesh {dp}x{tp}: the MLP width {inter} (intermediate_size) is not divisible by tp = {tp}");
-    }
-    Ok(())
-}
-
-/// Qwen3's tensor-parallel plan, applied from outside the model (torchtitan style):
-/// q/k/v and gate/up column-parallel, o and down row-parallel with an all-reduce of their
-/// output, per-head q/k norms replicated with summed gradients; the embedding, final norm and
-/// lm_head replicated.
-pub fn qwen3_tp_plan(c: &Qwen3Config) -> burn_fsdp::tp::TpPlan {
-    use burn_fsdp::tp::TpStyle::{Colwise, PartialGrad, Rowwise};
-    let hd = c.head_dim;
-    let layer = |s: &str| format!("model.layers.*.{s}.weight");
-    burn_fsdp::tp::TpPlan {
-        params: vec![
-            (layer("self_attn.q_proj"), Colwise { granule: hd }),
-            (layer("self_attn.k_proj"), Colwise { granule: hd }),
-            (layer("self_attn.v_proj"), Colwise { granule: hd }),
-            (layer("self_attn.o_proj"), Rowwise { granule: hd }),
-            (layer("self_attn.q_norm"), PartialGrad),
-            (layer("self_attn.k_norm"), PartialGrad),
-            (layer("mlp.gate_proj"), Colwise { granule: 1 }),
-            (layer("mlp.up_proj"), Colwise { granule: 1 }),
-            (layer("mlp.down_proj"), Rowwise { granule: 1 }),
-        ],
-        copy_inputs: vec!["self_attn".into(), "mlp".into()],
-        reduce_outputs: vec!["self_attn".into(), "mlp".into()],
-    }
 }
 
 /// A `--resume` argument: the checkpoint directory itself, or a directory of `step-*/`
@@ -1524,6 +1484,7 @@ pub fn fsdp_config(args: &TrainArgs) -> FsdpConfig {
         mp_policy,
         offload: OffloadPolicy { enabled: args.offload },
         prefetch: !args.no_prefetch,
+        units: qwen3_burn::parallelize::fsdp_units(),
         ..FsdpConfig::default()
     }
 }
@@ -1584,7 +1545,8 @@ fn fsdp_rank_steps<B: burn::tensor::backend::Backend, C: CheckpointStrategy>(
         // keeps its TP slices and FSDP shards of them.
         (Topology::DpTp { .. }, Some(tp_group)) => {
             let replica = model.model::<Ad<B, C>>(config, &device)?;
-            let (m, plan) = TensorParallel::apply(replica, tp_group.clone(), qwen3_tp_plan(config))?;
+            let (m, plan) =
+                TensorParallel::apply(replica, tp_group.clone(), qwen3_burn::parallelize::tp_plan(config))?;
             tp = Some(plan);
             Fsdp::wrap(m, &DeviceMesh::new_1d(outer.clone(), device.clone()), fsdp_config(args))?
         }
