@@ -295,47 +295,19 @@ mod host {
         }
         let grad: NdArrayTensor = must(grad, "checked above: an NdArray gradient");
         let buffer: Option<NdArrayTensor> = buffer.map(|b| must(b, "checked above: an NdArray buffer"));
+        // The gradient's rows written into the buffer (or a fresh one), as tensor `$dtype`.
+        macro_rules! placed {
+            ($dtype:ident, $grad:expr, $buffer:expr) => {{
+                let src = $grad.view();
+                let src = src.as_slice().expect("checked above: standard layout");
+                NdArrayTensor::$dtype(place(view, src, $buffer, world, unit_len).into())
+            }};
+        }
         let written = match (grad, buffer) {
-            (NdArrayTensor::F32(g), None) => NdArrayTensor::F32(
-                place(
-                    view,
-                    g.view().as_slice().expect("checked above: standard layout"),
-                    None,
-                    world,
-                    unit_len,
-                )
-                .into(),
-            ),
-            (NdArrayTensor::F32(g), Some(NdArrayTensor::F32(b))) => NdArrayTensor::F32(
-                place(
-                    view,
-                    g.view().as_slice().expect("checked above: standard layout"),
-                    Some(b.into_owned()),
-                    world,
-                    unit_len,
-                )
-                .into(),
-            ),
-            (NdArrayTensor::F64(g), None) => NdArrayTensor::F64(
-                place(
-                    view,
-                    g.view().as_slice().expect("checked above: standard layout"),
-                    None,
-                    world,
-                    unit_len,
-                )
-                .into(),
-            ),
-            (NdArrayTensor::F64(g), Some(NdArrayTensor::F64(b))) => NdArrayTensor::F64(
-                place(
-                    view,
-                    g.view().as_slice().expect("checked above: standard layout"),
-                    Some(b.into_owned()),
-                    world,
-                    unit_len,
-                )
-                .into(),
-            ),
+            (NdArrayTensor::F32(g), None) => placed!(F32, g, None),
+            (NdArrayTensor::F32(g), Some(NdArrayTensor::F32(b))) => placed!(F32, g, Some(b.into_owned())),
+            (NdArrayTensor::F64(g), None) => placed!(F64, g, None),
+            (NdArrayTensor::F64(g), Some(NdArrayTensor::F64(b))) => placed!(F64, g, Some(b.into_owned())),
             _ => unreachable!("checked above: an f32 or f64 gradient and buffer of its dtype"),
         };
         Ok(must(written, "checked above: B's float tensor is NdArrayTensor"))
