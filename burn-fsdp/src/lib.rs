@@ -25,7 +25,8 @@
 //!   autodiff hooks), [`view`] (the parameters cut out of a gathered unit), [`offload`],
 //!   `replicas` (rank 0's values broadcast at wrap), [`init`] (deferred, per-shard
 //!   initialisation: [`Fsdp::wrap_deferred`]), [`runner`] and [`activation`] (the model's
-//!   hooks, activation checkpointing), [`fsdp`] (the public API).
+//!   hooks, activation checkpointing), [`walk`] (module paths and parameter descriptions, shared
+//!   with `tp`), [`fsdp`] (the public API).
 //! - Beside it: [`tp`] (tensor parallelism on a 2-D mesh), [`optim`] (AdamW on shards, clipping),
 //!   [`checkpoint`] and [`io`] (sharded state on disk).
 #![warn(missing_docs)]
@@ -47,13 +48,13 @@ pub mod runner;
 pub mod tp;
 pub mod unit;
 pub mod view;
+pub mod walk;
 
 pub use comm::local::{LocalGroup, launch};
 pub use comm::mesh::DeviceMesh;
 pub use comm::{CollectiveFailure, CollectiveKind, CommError, CommStats, ProcessGroup, ReduceOp, Tag};
-pub use fsdp::{
-    Fsdp, FsdpConfig, FsdpError, FsdpEvalRunner, FsdpRunner, MixedPrecisionPolicy, PathStack, UnitPolicy,
-};
+pub use fsdp::{Fsdp, FsdpConfig, FsdpError, FsdpEvalRunner, FsdpRunner, MixedPrecisionPolicy, UnitPolicy};
 pub use op::FsdpBackend;
 pub use optim::{TorchAdamW, TorchAdamWConfig, clip_grad_norm, grad_norm};
 pub use runner::{Direct, ModuleHooks, NoHooks, UnitRunner};
+pub use walk::PathStack;

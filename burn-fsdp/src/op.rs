@@ -317,7 +317,7 @@ impl<B: Backend, C: CheckpointStrategy> FsdpBackend for Autodiff<B, C> {
     }
 
     fn recomputes() -> bool {
-        crate::fsdp::is_balanced::<C>()
+        is_balanced::<C>()
     }
 
     fn autodiff_node(tensor: &FloatTensor<Self>) -> NodeId {
@@ -327,4 +327,11 @@ impl<B: Backend, C: CheckpointStrategy> FsdpBackend for Autodiff<B, C> {
     fn is_tracked(tensor: &FloatTensor<Self>) -> bool {
         tensor.is_tracked()
     }
+}
+
+/// Whether the autodiff checkpoint strategy `C` is Burn's `BalancedCheckpointing` (under which a
+/// resharded unit's views are recomputed from a re-gather in backward).
+pub(crate) fn is_balanced<C: 'static>() -> bool {
+    std::any::TypeId::of::<C>()
+        == std::any::TypeId::of::<burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing>()
 }

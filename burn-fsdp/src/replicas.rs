@@ -16,8 +16,8 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
 use crate::comm::{CommError, ProcessGroup, Tag};
-use crate::fsdp::{PathStack, deferred_shape};
 use crate::init::ShardInit;
+use crate::walk::{PathStack, deferred_shape};
 
 /// `model` with every float tensor replaced by rank 0's value over each of `groups`, in order.
 /// Ranks whose models differ in structure get a collective mismatch or timeout error, naming

@@ -37,8 +37,8 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Shape, Tensor, TensorMetadata, TensorPrimitive};
 
 use crate::comm::{CommError, ProcessGroup, ReduceOp, Tag};
-use crate::fsdp::describe_params;
 use crate::runner::ModuleHooks;
+use crate::walk::describe_params;
 
 /// How one parameter is laid out across the tp group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

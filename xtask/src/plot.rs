@@ -135,9 +135,8 @@ mod tests {
 
     #[test]
     fn a_plot_is_written_with_integer_steps_and_a_named_reference() {
-        let dir = std::env::temp_dir().join(format!("xtask-plot-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
-        let png = dir.join("loss.png");
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let png = dir.path().join("loss.png");
         let run: Vec<(f64, f64)> = (0..5).map(|s| (s as f64, 6.3 - s as f64 * 0.3)).collect();
         let series = [("this run".to_owned(), run.clone()), ("reference: fsdp4.json".to_owned(), run)];
         loss_png(&png, "train-qwen3: test", &series).expect("plot");

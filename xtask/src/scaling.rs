@@ -211,10 +211,10 @@ pub fn figures(steps: usize, python: Result<&Path, &str>) -> Result<Vec<(String,
             }
         }
         Ok(python) => {
-            let dir = std::env::temp_dir().join(format!("xtask-scaling-{}", std::process::id()));
-            std::fs::create_dir_all(&dir)?;
-            config.save(&dir)?;
-            let torch = Torch { python, config_dir: &dir, steps };
+            // The model's config.json for the PyTorch workers; removed when the figures are done.
+            let dir = tempfile::Builder::new().prefix("xtask-scaling-").tempdir()?;
+            config.save(dir.path())?;
+            let torch = Torch { python, config_dir: dir.path(), steps };
             let key = "train_step_tokens_per_sec";
             let run = |extra: &[&str], core: usize| spawn_pinned(torch.command(extra), core);
             let (t_single, t_w1) = alternated(
