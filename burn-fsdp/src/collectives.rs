@@ -52,8 +52,6 @@ pub struct UnitComm<B: Backend> {
     pub reduce_dtype: Option<DType>,
     /// The unit's index in its [`Fsdp`](crate::Fsdp) (0 = root).
     pub index: usize,
-    /// The rank's communication thread and prefetch state; `None` runs collectives inline.
-    pub prefetch: Option<Arc<crate::prefetch::Prefetcher<B>>>,
 }
 
 impl<B: Backend> std::fmt::Debug for UnitComm<B> {

@@ -16,7 +16,7 @@ use crate::comm::mesh::DeviceMesh;
 use crate::comm::{CommError, CommStats, ProcessGroup, ReduceOp, Tag};
 use crate::init::{InitError, ShardInit};
 use crate::offload::{HostStore, OffloadPolicy};
-use crate::op::FsdpBackend;
+use crate::op::{FsdpBackend, GatherComm};
 use crate::optim::{TorchAdamW, clip_coefficient, grad_sq_sum, grad_sq_sum_split, scale_grads};
 use crate::param::ShardedParam;
 use crate::prefetch::{PrefetchStats, Prefetcher};
@@ -452,7 +452,6 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
                         param_dtype: config.mp_policy.param_dtype,
                         reduce_dtype: config.mp_policy.reduce_dtype,
                         index: i,
-                        prefetch: prefetch.clone(),
                     }),
                     name,
                     params,
@@ -1067,6 +1066,11 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
 
     /// The unit of a module run through the runner; `None` for a module without sharded
     /// parameters (only buffers or frozen parameters), which runs as it is.
+    /// What unit `u`'s gather op talks through: its communicator and the rank's prefetcher.
+    fn gather_comm(&self, u: usize) -> GatherComm<B::InnerBackend> {
+        GatherComm { unit: self.units[u].comm.clone(), prefetch: self.prefetch.clone() }
+    }
+
     fn unit_of_module<X: Backend, U: Module<X>>(&self, module: &U) -> Option<usize> {
         let ids = describe_params::<X, U>(module);
         let mut units = ids.iter().filter_map(|(id, ..)| self.param_unit.get(id).copied());
@@ -1097,12 +1101,12 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
                     Tensor::<B, 1>::from_inner(leaf).require_grad().into_primitive().tensor()
                 });
                 let ids = Arc::new(unit.params.iter().map(|p| (p.id, p.shard_numel())).collect());
-                B::fsdp_all_gather_offloaded(anchor, unit.comm.clone(), host.clone(), ids, reshard)
+                B::fsdp_all_gather_offloaded(anchor, self.gather_comm(u), host.clone(), ids, reshard)
             }
             None => {
                 let shards = collect_shards::<B, U>(&module, &self.param_unit, self.units.len());
                 let parts = unit_shards::<B, _>(unit, &shards[u]);
-                B::fsdp_all_gather(parts, anchor, unit.comm.clone(), reshard)
+                B::fsdp_all_gather(parts, anchor, self.gather_comm(u), reshard)
             }
         };
         let group = ViewGroup::new(self.world(), unit.shard_len(), reshard);

@@ -34,6 +34,7 @@ use burn::tensor::{DType, Shape, Tensor, TensorMetadata, TensorPrimitive};
 
 use crate::collectives::{Phase, UnitComm};
 use crate::offload::HostStore;
+use crate::prefetch::Prefetcher;
 use crate::view::{ParamView, ViewGroup};
 use burn::module::ParamId;
 
@@ -41,14 +42,35 @@ use burn::module::ParamId;
 /// concatenated copy of their shards.
 pub const MAX_DIRECT_PARENTS: usize = 31;
 
+/// What a unit's differentiable gather talks through: the unit's communicator and, when
+/// overlap is on, the rank's communication thread ([`Prefetcher`]), which then runs the
+/// gathers and reduce-scatters; without it they run inline.
+#[derive(Debug, Clone)]
+pub struct GatherComm<B: Backend> {
+    /// The unit's collectives.
+    pub unit: Arc<UnitComm<B>>,
+    /// The rank's overlap machinery, `None` for inline collectives.
+    pub prefetch: Option<Arc<Prefetcher<B>>>,
+}
+
+impl<B: Backend> GatherComm<B> {
+    /// The forward all-gather of the flat shard that `shard` makes (prefetched when it can be).
+    fn forward_gather(&self, shard: impl FnOnce() -> Tensor<B, 1>) -> Tensor<B, 1> {
+        match &self.prefetch {
+            Some(p) => p.forward_gather(self.unit.index, &self.unit, shard),
+            None => self.unit.gather(shard(), Phase::ForwardGather),
+        }
+    }
+}
+
 /// Backends on which FSDP can run: an autodiff backend with the differentiable all-gather.
 pub trait FsdpBackend: AutodiffBackend {
-    /// All-gathers the concatenation of the flattened `shards` through `unit`
+    /// All-gathers the concatenation of the flattened `shards` through `comm`
     /// (`[Σ nᵢ]` → `[world · Σ nᵢ]`), differentiably with respect to every shard.
     fn fsdp_all_gather(
         shards: Vec<FloatTensor<Self>>,
         anchor: Option<FloatTensor<Self>>,
-        unit: Arc<UnitComm<Self::InnerBackend>>,
+        comm: GatherComm<Self::InnerBackend>,
         recompute: bool,
     ) -> FloatTensor<Self>;
 
@@ -58,7 +80,7 @@ pub trait FsdpBackend: AutodiffBackend {
     /// `anchor` must be tracked (the unit's input activation, or any tracked leaf).
     fn fsdp_all_gather_offloaded(
         anchor: FloatTensor<Self>,
-        unit: Arc<UnitComm<Self::InnerBackend>>,
+        comm: GatherComm<Self::InnerBackend>,
         host: Arc<HostStore>,
         ids: Arc<Vec<(ParamId, usize)>>,
         recompute: bool,
@@ -114,7 +136,7 @@ enum Parents {
 
 #[derive(Debug)]
 struct GatherBackward<B: Backend> {
-    unit: Arc<UnitComm<B>>,
+    comm: GatherComm<B>,
     parents: Parents,
 }
 
@@ -127,25 +149,25 @@ impl<B: Backend, const N: usize> Backward<B, N> for GatherBackward<B> {
         // gradient registered now: it waits for its reduce-scatter (still on the
         // communication thread, to keep every rank's collectives in one order).
         let flat_parent = matches!(self.parents, Parents::Flat);
-        if let Some(prefetch) = self.unit.prefetch.as_ref().filter(|_| !flat_parent) {
+        if let Some(prefetch) = self.comm.prefetch.as_ref().filter(|_| !flat_parent) {
             // Reduce on the communication thread while backward goes on: the shards' gradients
             // are collected by `Fsdp::gradients` (offloaded ones go straight to the host).
             let deliver: Option<Box<dyn FnOnce(Tensor<B, 1>) + Send>> = match self.parents {
                 Parents::Host(host, ids) => Some(Box::new(move |g| host.accumulate_grad(&ids, g))),
                 _ => None,
             };
-            prefetch.reduce(self.unit.index, &self.unit, grad, deliver);
+            prefetch.reduce(self.comm.unit.index, &self.comm.unit, grad, deliver);
             return;
         }
         let device = grad.device();
         // Reduce even when no shard needs a gradient: every rank must issue the collective.
-        let reduced = match &self.unit.prefetch {
-            Some(prefetch) => prefetch.reduce_blocking(&self.unit, grad),
-            None => self.unit.reduce(grad),
+        let reduced = match &self.comm.prefetch {
+            Some(prefetch) => prefetch.reduce_blocking(&self.comm.unit, grad),
+            None => self.comm.unit.reduce(grad),
         };
         match self.parents {
             Parents::Flat => {
-                let g = reduced.unwrap_or_else(|| Tensor::zeros([self.unit.shard_len], &device));
+                let g = reduced.unwrap_or_else(|| Tensor::zeros([self.comm.unit.shard_len], &device));
                 if let Some(node) = &ops.parents[0] {
                     grads.register::<B>(node.id, g.into_primitive().tensor());
                 }
@@ -187,7 +209,7 @@ enum Sources<B: Backend> {
 #[derive(Debug)]
 struct RetroGather<B: Backend> {
     sources: Sources<B>,
-    unit: Arc<UnitComm<B>>,
+    comm: GatherComm<B>,
 }
 
 impl<B: Backend> RetroForward for RetroGather<B> {
@@ -205,9 +227,9 @@ impl<B: Backend> RetroForward for RetroGather<B> {
                 host.upload::<B>(&ids, device)
             }
         };
-        let full = match &self.unit.prefetch {
-            Some(p) => p.backward_gather(self.unit.index, &self.unit, shard),
-            None => self.unit.gather(shard(), Phase::BackwardGather),
+        let full = match &self.comm.prefetch {
+            Some(p) => p.backward_gather(self.comm.unit.index, &self.comm.unit, shard),
+            None => self.comm.unit.gather(shard(), Phase::BackwardGather),
         };
         states.save(out_node, full.into_primitive().tensor());
     }
@@ -217,7 +239,7 @@ fn register<B: Backend, C: CheckpointStrategy, const N: usize>(
     parents: &[&FloatTensor<Autodiff<B, C>>],
     n_sources: usize,
     kind: Parents,
-    unit: Arc<UnitComm<B>>,
+    comm: GatherComm<B>,
     recompute: bool,
     output: B::FloatTensorPrimitive,
 ) -> FloatTensor<Autodiff<B, C>> {
@@ -232,9 +254,9 @@ fn register<B: Backend, C: CheckpointStrategy, const N: usize>(
         }
         _ => Sources::Nodes(parents[..n_sources].iter().map(|p| p.node.id).collect()),
     };
-    let prep = GatherBackward { unit: unit.clone(), parents: kind }.prepare::<C>(nodes);
+    let prep = GatherBackward { comm: comm.clone(), parents: kind }.prepare::<C>(nodes);
     let ops = if recompute {
-        prep.memory_bound().retro_forward(RetroGather { sources, unit }).parents(parents).stateful()
+        prep.memory_bound().retro_forward(RetroGather { sources, comm }).parents(parents).stateful()
     } else {
         prep.compute_bound().stateful()
     };
@@ -260,14 +282,11 @@ impl<B: Backend, C: CheckpointStrategy> FsdpBackend for Autodiff<B, C> {
     fn fsdp_all_gather(
         shards: Vec<FloatTensor<Self>>,
         anchor: Option<FloatTensor<Self>>,
-        unit: Arc<UnitComm<B>>,
+        comm: GatherComm<B>,
         recompute: bool,
     ) -> FloatTensor<Self> {
         let flat = || flat_concat::<B>(shards.iter().map(|s| s.primitive.clone()).collect());
-        let output = match &unit.prefetch {
-            Some(p) => p.forward_gather(unit.index, &unit, flat),
-            None => unit.gather(flat(), Phase::ForwardGather),
-        };
+        let output = comm.forward_gather(flat);
         let output = output.into_primitive().tensor();
         let anchor = anchor.filter(|a| a.is_tracked());
         let (sources, kind) = if shards.len() <= MAX_DIRECT_PARENTS {
@@ -284,14 +303,14 @@ impl<B: Backend, C: CheckpointStrategy> FsdpBackend for Autodiff<B, C> {
         parents.extend(anchor.as_ref());
         dispatch!(
             parents.len(),
-            (&parents, n_sources, kind, unit, recompute, output),
+            (&parents, n_sources, kind, comm, recompute, output),
             [1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32]
         )
     }
 
     fn fsdp_all_gather_offloaded(
         anchor: FloatTensor<Self>,
-        unit: Arc<UnitComm<B>>,
+        comm: GatherComm<B>,
         host: Arc<HostStore>,
         ids: Arc<Vec<(ParamId, usize)>>,
         recompute: bool,
@@ -299,13 +318,10 @@ impl<B: Backend, C: CheckpointStrategy> FsdpBackend for Autodiff<B, C> {
         let device = B::float_device(&anchor.primitive);
         let keys: Vec<ParamId> = ids.iter().map(|(id, _)| *id).collect();
         let shard = || host.upload::<B>(&keys, &device);
-        let output = match &unit.prefetch {
-            Some(p) => p.forward_gather(unit.index, &unit, shard),
-            None => unit.gather(shard(), Phase::ForwardGather),
-        };
+        let output = comm.forward_gather(shard);
         let output = output.into_primitive().tensor();
         let kind = Parents::Host(host, ids);
-        register::<B, C, 1>(&[&anchor], 0, kind, unit, recompute, output)
+        register::<B, C, 1>(&[&anchor], 0, kind, comm, recompute, output)
     }
 
     fn fsdp_param_view(
