@@ -55,9 +55,10 @@ impl ShardedParam {
         s
     }
 
-    /// Rows of the unsharded parameter that `rank` holds (without padding).
+    /// Rows of the unsharded parameter that `rank` holds (without padding). A 0-d parameter
+    /// is one row.
     pub fn rows_of(&self, rank: usize) -> std::ops::Range<usize> {
-        let d0 = self.global_shape[0];
+        let d0 = self.global_shape.first().copied().unwrap_or(1);
         let start = (rank * self.rows_per_rank).min(d0);
         let end = ((rank + 1) * self.rows_per_rank).min(d0);
         start..end

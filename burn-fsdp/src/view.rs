@@ -193,13 +193,10 @@ impl ParamView {
     }
 
     /// Rank `r`'s rows of the parameter in its shard (`0..rows_per_rank` less any padding),
-    /// as a range of elements of the parameter's flattened value. (A 0-d parameter is one row.)
+    /// as a range of elements of the parameter's flattened value.
     fn elements_of(&self, r: usize) -> std::ops::Range<usize> {
-        let d0 = self.param.global_shape.first().copied().unwrap_or(1);
-        let row = self.param.row_numel();
-        let start = (r * self.param.rows_per_rank).min(d0);
-        let end = ((r + 1) * self.param.rows_per_rank).min(d0);
-        start * row..end * row
+        let (rows, row) = (self.param.rows_of(r), self.param.row_numel());
+        rows.start * row..rows.end * row
     }
 }
 
