@@ -21,7 +21,11 @@ use burn_fsdp::ProcessGroup;
 use burn_fsdp::comm::tcp::{EnvRank, TcpGroup};
 
 use crate::launch::{check_job_consistent, shell_words};
-use crate::train::{DeviceKind, Precision, RankGroups, Setup, StepMetrics, Topology, TrainArgs};
+use crate::train::args::{DeviceKind, Precision, TrainArgs};
+use crate::train::ranks::{cpu_rank, fsdp_rank};
+use crate::train::report::{MetricsSink, default_run_dir};
+use crate::train::setup::Setup;
+use qwen3_burn::trainer::{RankGroups, StepMetrics, Topology};
 
 /// The environment of rank `rank` of a one-machine job on `port`.
 pub fn rank_env(rank: usize, world: usize, port: u16) -> Vec<(String, String)> {
@@ -66,7 +70,7 @@ pub fn launch_local(args: &TrainArgs, raw: &[String]) -> Result<()> {
         bail!("--world-size must be at least 1");
     }
     let exe = std::env::current_exe().context("locating the xtask binary")?;
-    let out_dir = args.out_dir.clone().unwrap_or_else(crate::train::default_run_dir);
+    let out_dir = args.out_dir.clone().unwrap_or_else(default_run_dir);
     let port = free_port()?;
     let rest = rank_args(args, raw, &out_dir);
     if args.dry_run {
@@ -196,7 +200,7 @@ impl EnvJob {
         ProcessGroup::<crate::Backend>::abort(&*self.world, reason);
     }
 
-    /// Compares [`run_digest`] across ranks (flags, model config, weights, data).
+    /// Compares [`run_digest`](crate::launch::run_digest) across ranks (flags, model config, weights, data).
     pub fn check_consistent(&self, args: &TrainArgs, setup: &Setup) -> Result<()> {
         check_job_consistent(&*self.world, args, setup)
     }
@@ -206,19 +210,13 @@ impl EnvJob {
         &self,
         args: &TrainArgs,
         setup: Setup,
-        sink: &crate::train::MetricsSink,
+        sink: &MetricsSink,
         precision: Precision,
     ) -> Result<Vec<StepMetrics>> {
         let result = match args.device {
-            DeviceKind::Cpu => crate::train::cpu_rank(
-                args,
-                &setup,
-                sink,
-                precision,
-                self.rank(),
-                self.world.clone(),
-                TcpGroup::split,
-            ),
+            DeviceKind::Cpu => {
+                cpu_rank(args, &setup, sink, precision, self.rank(), self.world.clone(), TcpGroup::split)
+            }
             DeviceKind::Metax => self.train_metax(args, setup, sink),
             DeviceKind::CudaProxy => self.train_cuda(args, setup, sink),
             DeviceKind::MetaxEmu => Err(anyhow::anyhow!("--device metax-emu runs in-process ranks only")),
@@ -254,12 +252,7 @@ impl EnvJob {
     }
 
     /// FSDP on MetaX GPU `LOCAL_RANK` with MCCL.
-    fn train_metax(
-        &self,
-        args: &TrainArgs,
-        setup: Setup,
-        sink: &crate::train::MetricsSink,
-    ) -> Result<Vec<StepMetrics>> {
+    fn train_metax(&self, args: &TrainArgs, setup: Setup, sink: &MetricsSink) -> Result<Vec<StepMetrics>> {
         use burn_metax_backend::collective::{MetaxGroup, mccl_unique_id};
         use burn_metax_backend::mccl::Mccl;
         let device = burn_metax_backend::MacaDevice::new(self.env.local_rank);
@@ -275,17 +268,12 @@ impl EnvJob {
                 })?;
         type B = burn_metax_backend::Metax<f32>;
         let groups = self.device_groups::<B>(args, Arc::new(group), device)?;
-        crate::train::fsdp_rank::<B>(args, &setup, groups, sink)
+        fsdp_rank::<B>(args, &setup, groups, sink)
     }
 
     /// FSDP on NVIDIA GPU `LOCAL_RANK` through the CUDA proxy, with NCCL.
     #[cfg(feature = "cuda")]
-    fn train_cuda(
-        &self,
-        args: &TrainArgs,
-        setup: Setup,
-        sink: &crate::train::MetricsSink,
-    ) -> Result<Vec<StepMetrics>> {
+    fn train_cuda(&self, args: &TrainArgs, setup: Setup, sink: &MetricsSink) -> Result<Vec<StepMetrics>> {
         use burn_metax_backend::collective::{CudaProxyNcclGroup, NcclCommunicator};
         let device = burn_metax_backend::CudaProxyDevice { index: self.env.local_rank };
         let id = self.unique_id(|| {
@@ -298,11 +286,11 @@ impl EnvJob {
                 })?;
         type B = burn_metax_backend::CudaProxy<f32>;
         let groups = self.device_groups::<B>(args, Arc::new(group), device)?;
-        crate::train::fsdp_rank::<B>(args, &setup, groups, sink)
+        fsdp_rank::<B>(args, &setup, groups, sink)
     }
 
     #[cfg(not(feature = "cuda"))]
-    fn train_cuda(&self, _: &TrainArgs, _: Setup, _: &crate::train::MetricsSink) -> Result<Vec<StepMetrics>> {
+    fn train_cuda(&self, _: &TrainArgs, _: Setup, _: &MetricsSink) -> Result<Vec<StepMetrics>> {
         bail!(
             "--device cuda-proxy needs xtask built with `--features cuda` (NCCL through cudarc, loaded at run time)"
         )

@@ -13,9 +13,13 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 
-use crate::train::{Precision, Setup, StepMetrics, TrainArgs};
+use crate::train::args::{Precision, TrainArgs};
+use crate::train::ranks::cpu_rank;
+use crate::train::report::MetricsSink;
+use crate::train::setup::Setup;
+use qwen3_burn::trainer::StepMetrics;
 
 /// Whether this process was started by an MPI launcher (OpenMPI, MPICH/Hydra, Slurm PMI).
 pub fn launched_by_mpi() -> bool {
@@ -27,47 +31,9 @@ pub fn launched_by_mpi() -> bool {
 /// Whether this xtask was built with MPI support.
 pub const MPI_BUILT: bool = cfg!(feature = "mpi");
 
-const NO_MPI: &str = "--launcher mpi: this xtask was built without MPI support; rebuild with \
+pub(crate) const NO_MPI: &str = "--launcher mpi: this xtask was built without MPI support; rebuild with \
      `cargo xtask-mpi …` (= `cargo run -p xtask --features mpi -- …`), which needs an MPI library and \
      libclang (Debian/Ubuntu: apt install openmpi-bin libopenmpi-dev libclang-dev)";
-
-/// Entry point of `train-qwen3`: starts the MPI job when `--launcher mpi` is asked for outside
-/// an MPI launcher (or prints its command line with `--dry-run`), else trains in this process.
-///
-/// `raw` is the command line after the program name (`train-qwen3 …`), passed on verbatim to
-/// every rank.
-pub fn train_entry(args: &TrainArgs, raw: &[String]) -> Result<()> {
-    if args.launcher == crate::train::Launcher::Env && std::env::var_os("RANK").is_none() {
-        return crate::env_launch::launch_local(args, raw);
-    }
-    if args.launcher == crate::train::Launcher::Mpi && !launched_by_mpi() {
-        let exe = std::env::current_exe().context("locating the xtask binary")?;
-        let out_dir = args.out_dir.clone().unwrap_or_else(crate::train::default_run_dir);
-        let line = mpirun_line(args, raw, &exe, &out_dir)?;
-        if args.dry_run {
-            println!("{}", shell_words(&line));
-            return Ok(());
-        }
-        if !MPI_BUILT {
-            bail!("{NO_MPI}");
-        }
-        if !args.quiet {
-            println!("launching: {}", shell_words(&line));
-        }
-        let status = Command::new(&line[0])
-            .args(&line[1..])
-            .status()
-            .with_context(|| format!("starting `{}` (set --mpirun or $MPIRUN)", line[0]))?;
-        if !status.success() {
-            bail!("the MPI job failed: {} exited with {status}", line[0]);
-        }
-        return Ok(());
-    }
-    if args.dry_run {
-        bail!("--dry-run prints the command lines of --launcher mpi or env; add one of them");
-    }
-    crate::train::run(args).map(|_| ())
-}
 
 /// Which MPI implementation an `mpirun` belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -312,13 +278,13 @@ impl MpiRank {
         &self,
         args: &TrainArgs,
         setup: Setup,
-        sink: &crate::train::MetricsSink,
+        sink: &MetricsSink,
         precision: Precision,
     ) -> Result<Vec<StepMetrics>> {
         #[cfg(feature = "mpi")]
         {
             let world = self.group.clone();
-            let result = crate::train::cpu_rank(
+            let result = cpu_rank(
                 args,
                 &setup,
                 sink,

@@ -15,11 +15,9 @@ pub mod logits;
 #[cfg(feature = "mpi")]
 pub mod mpi_tools;
 pub mod plot;
-pub mod scaling;
 pub mod schedule;
 pub mod tokenizer;
 pub mod train;
-pub mod weights;
 
 /// The CPU backend every command runs on.
 pub type Backend = burn::backend::NdArray<f32>;

@@ -50,7 +50,7 @@ fn main() {
     let result = match cli.command {
         Command::TrainQwen3(args) => {
             let raw: Vec<String> = std::env::args().skip(1).collect();
-            xtask::launch::train_entry(&args, &raw)
+            xtask::train::train_entry(&args, &raw)
         }
         Command::Qwen3Logits(args) => xtask::logits::run(&args),
         Command::Consolidate(args) => xtask::consolidate::run(&args),

@@ -205,7 +205,7 @@ pub fn bench(args: &MpiBenchArgs) -> Result<()> {
     let rs = start.elapsed().as_secs_f64() / reps as f64;
     // memcpy of the same number of bytes, in this process, while the others do the same.
     g.barrier(&Tag::new("b2")).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let mc = crate::bench::timed_copies(n_shard * w * 4, reps) / reps as f64;
+    let mc = crate::bench::bandwidth::timed_copies(n_shard * w * 4, reps) / reps as f64;
     let gbps = |s: f64| (n_shard * w * 4) as f64 / s / 1e9;
     let times = Tensor::<NdBackend, 1>::from_floats([ag as f32, rs as f32, mc as f32], &device);
     let worst = g

@@ -18,7 +18,7 @@ use std::process::{Child, Command, Stdio};
 use anyhow::{Context, Result, bail, ensure};
 use qwen3_burn::Qwen3Config;
 
-use crate::bench::{qwen3_50m, train_throughput};
+use super::throughput::{qwen3_50m, train_throughput};
 
 /// Rows per rank and step.
 pub const ROWS: usize = 4;

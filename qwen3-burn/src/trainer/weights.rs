@@ -6,11 +6,11 @@
 
 use std::sync::Arc;
 
-use anyhow::Result;
 use burn::tensor::backend::Backend;
 use burn_fsdp::init::ShardInit;
-use qwen3_burn::checkpoint::HfWeights;
-use qwen3_burn::{Qwen3, Qwen3Config, Qwen3Init};
+
+use crate::checkpoint::HfWeights;
+use crate::{Qwen3, Qwen3Config, Qwen3Init, Result};
 
 /// The initial weights of a run.
 #[derive(Clone)]
@@ -28,7 +28,7 @@ impl InitialWeights {
     /// reading tensor data, that it holds exactly the parameters of `config`.
     pub fn checkpoint(config: &Qwen3Config, path: &std::path::Path) -> Result<Self> {
         let weights = HfWeights::open(path)?;
-        Qwen3::<crate::Backend>::check_weights(config, &weights)?;
+        Qwen3::<burn::backend::NdArray>::check_weights(config, &weights)?;
         Ok(Self::Checkpoint(Arc::new(weights)))
     }
 

@@ -1,0 +1,231 @@
+//! The training loop: the same steps for one device and for every rank of a sharded job.
+
+use std::cell::Cell;
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+use std::path::Path;
+use std::time::Instant;
+
+use burn::backend::autodiff::checkpoint::strategy::{
+    BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
+};
+use burn::tensor::TensorData;
+use burn::tensor::backend::Backend;
+use burn_fsdp::ReduceOp;
+
+use super::engine::{Engine, Placement};
+use super::{
+    InitialWeights, LOSS_CHUNK_BYTES, Parallelism, StepMetrics, TrainError, TrainOptions, TrainSink,
+};
+use crate::checkpoint::{TensorOut, WEIGHTS_FILE, write_safetensors};
+use crate::train::{Batches, loss_chunk_rows};
+use crate::{Qwen3Config, Qwen3Error};
+
+/// Trains Qwen3 `config` from `weights` on `batches` as `options` say, on one device or as one
+/// rank of a sharded job ([`Parallelism`]); returns the metrics of the steps run (each also
+/// given to `sink` on rank 0).
+///
+/// Every step: each data-parallel rank takes its rows of the step's global batch (data rank
+/// `d` of `D`: rows `d·R/D ..`), in [`TrainOptions::grad_accum`] micro-batches; forward and
+/// backward through the chunked loss ([`chunked_cross_entropy`](crate::train::chunked_cross_entropy));
+/// the global gradient norm, clipped; the loss averaged over the data-parallel ranks; the
+/// AdamW step at the schedule's learning rate. Training stops after the first step whose loss
+/// or gradient norm is not finite, before its update (its metrics name the lowest rank whose
+/// loss was not finite). Sharded checkpoints are saved as [`TrainOptions::save`] says; with
+/// [`TrainOptions::export`] the model is written as an HF checkpoint at the end.
+///
+/// A sharded rank trains on `Autodiff<B, BalancedCheckpointing>` when its backward has
+/// parameters to re-gather ([`TrainOptions::regathers`]), else on `Autodiff<B>`; one device
+/// always on `Autodiff<B>`. A collective that fails inside forward or backward (a peer died,
+/// timed out or failed) comes back as [`TrainError::Collective`] naming the step.
+///
+/// # Errors
+/// Options that do not fit the batches or the parallelism ([`TrainError::Invalid`]), weights
+/// that do not fit the config, failed collectives, checkpoints that cannot be read or written,
+/// and a sink that fails.
+pub fn train<B: Backend>(
+    parallelism: Parallelism<B>,
+    config: &Qwen3Config,
+    weights: &InitialWeights,
+    batches: &Batches,
+    options: &TrainOptions,
+    sink: &dyn TrainSink,
+) -> Result<Vec<StepMetrics>, TrainError> {
+    check(&parallelism, batches, options)?;
+    let shard_world = match &parallelism {
+        Parallelism::Single(_) => {
+            let at = Cell::new(None);
+            return steps::<B, NoCheckpointing>(parallelism, config, weights, batches, options, sink, &at);
+        }
+        Parallelism::Sharded(groups) => groups.topology.shard_world(),
+    };
+    burn_fsdp::comm::quiet_collective_panics();
+    let at = Cell::new(None);
+    let run = || match options.regathers(shard_world) {
+        true => steps::<B, BalancedCheckpointing>(parallelism, config, weights, batches, options, sink, &at),
+        false => steps::<B, NoCheckpointing>(parallelism, config, weights, batches, options, sink, &at),
+    };
+    match catch_unwind(AssertUnwindSafe(run)) {
+        Ok(r) => r,
+        Err(p) if p.is::<burn_fsdp::CollectiveFailure>() => Err(TrainError::Collective {
+            step: at.get(),
+            message: burn_fsdp::comm::panic_message(p.as_ref()),
+        }),
+        Err(p) => resume_unwind(p),
+    }
+}
+
+/// Refuses options that do not fit the batches or the parallelism.
+fn check<B: Backend>(
+    parallelism: &Parallelism<B>,
+    batches: &Batches,
+    options: &TrainOptions,
+) -> Result<(), TrainError> {
+    let invalid = |msg: String| Err(TrainError::Invalid(msg));
+    let data_world = match parallelism {
+        Parallelism::Single(_) => {
+            let mp = options.fsdp.mp_policy.param_dtype.is_some();
+            if options.fsdp.offload.enabled || mp {
+                return invalid(
+                    "offload and mixed precision are FSDP policies: train with Parallelism::Sharded (one rank is fine)"
+                        .into(),
+                );
+            }
+            1
+        }
+        Parallelism::Sharded(g) => g.topology.data_world(),
+    };
+    if options.grad_accum == 0 {
+        return invalid("grad_accum must be at least 1".into());
+    }
+    if options.steps > batches.steps {
+        return invalid(format!("{} steps asked for, but the batches hold {}", options.steps, batches.steps));
+    }
+    if !batches.rows.is_multiple_of(data_world) {
+        return invalid(format!(
+            "the global batch has {} rows, which the {data_world} data-parallel ranks do not divide",
+            batches.rows
+        ));
+    }
+    if !(batches.rows / data_world).is_multiple_of(options.grad_accum) {
+        return invalid(format!(
+            "each rank has {} rows per step, which {} micro-batches do not divide",
+            batches.rows / data_world,
+            options.grad_accum
+        ));
+    }
+    Ok(())
+}
+
+/// [`train`]'s loop on `Autodiff<B, C>`; `at` is the step under way.
+fn steps<B: Backend, C: CheckpointStrategy>(
+    parallelism: Parallelism<B>,
+    config: &Qwen3Config,
+    weights: &InitialWeights,
+    batches: &Batches,
+    options: &TrainOptions,
+    sink: &dyn TrainSink,
+    at: &Cell<Option<usize>>,
+) -> Result<Vec<StepMetrics>, TrainError> {
+    let model_config = serde_json::to_value(config)
+        .map_err(|e| TrainError::Invalid(format!("the model config cannot be written as JSON: {e}")))?;
+    let (mut engine, place) = Engine::<B, C>::new(parallelism, config, weights, options)?;
+    let Placement { rank, data_rank, data_world, device } = place;
+    let mut optim = options.optimizer.init::<B>();
+    let first_step = match &options.resume {
+        Some(dir) => engine.resume(dir, &mut optim, &model_config)?,
+        None => 0,
+    };
+    let (steps, micro) = (options.steps, options.grad_accum);
+    let rows_per_rank = batches.rows / data_world;
+    let rows_per_micro = rows_per_rank / micro;
+    let chunk = loss_chunk_rows(config.vocab_size, LOSS_CHUNK_BYTES);
+    let mut out = Vec::with_capacity(steps);
+    for step in first_step..steps {
+        at.set(Some(step));
+        let start = Instant::now();
+        let lr = (options.lr)(step);
+        optim.set_lr(lr);
+        let before = engine.snapshot();
+        let mut loss_sum = 0.0;
+        for m in 0..micro {
+            let first_row = data_rank * rows_per_rank + m * rows_per_micro;
+            let tokens = batches.rows(step, first_row..first_row + rows_per_micro, &device);
+            loss_sum += engine.micro_batch(tokens, m, micro, chunk, options.activation_checkpointing)?;
+        }
+        let (grads, grad_norm) = engine.clipped_gradients(options.clip.unwrap_or(0.0))?;
+        let loss = engine.all_reduce_scalar(loss_sum, ReduceOp::Avg, "loss")?;
+        // The loss and the norm are global: every rank takes the same branch.
+        let finite = loss.is_finite() && grad_norm.is_finite();
+        let nonfinite_rank = if finite {
+            engine = engine.step(&mut optim, grads);
+            None
+        } else {
+            // The lowest data-parallel rank whose own loss was not finite, as
+            // world - max(world - r) (0 from ranks whose loss was finite).
+            let mine = if loss_sum.is_finite() { 0.0 } else { (data_world - data_rank) as f64 };
+            let max = engine.all_reduce_scalar(mine, ReduceOp::Max, "nonfinite-rank")?;
+            (max > 0.0).then(|| data_world - max.round() as usize)
+        };
+        let metrics = StepMetrics {
+            step,
+            loss,
+            grad_norm,
+            lr,
+            tokens_per_sec: (batches.rows * (batches.width - 1)) as f64
+                / start.elapsed().as_secs_f64().max(1e-9),
+            nonfinite_rank,
+        };
+        if rank == 0 {
+            sink.step(&metrics)?;
+            if let Some(c) = before.as_ref().and_then(|b| engine.collectives_since(b)) {
+                sink.collectives(c);
+            }
+        }
+        out.push(metrics);
+        if !finite {
+            break;
+        }
+        if let Some(save) = &options.save {
+            let done = step + 1;
+            if save.every.map_or(done == steps, |k| done.is_multiple_of(k) || done == steps) {
+                let dir = save.dir.join(format!("step-{done:06}"));
+                engine.save(&dir, &optim, done, &model_config)?;
+                if rank == 0 {
+                    sink.checkpoint_saved(&dir);
+                }
+            }
+        }
+    }
+    if let Some(dir) = &options.export {
+        engine.export(config, dir, rank == 0)?;
+        if rank == 0 {
+            sink.exported(dir);
+        }
+    }
+    Ok(out)
+}
+
+/// Writes full parameters `(HF name, shape, values)` (e.g. FSDP's
+/// [`full_parameters`](burn_fsdp::Fsdp::full_parameters)) as an HF checkpoint:
+/// `config.json` + `model.safetensors` (f32) in `dir`.
+pub fn export_hf(
+    config: &Qwen3Config,
+    params: Vec<(String, Vec<usize>, TensorData)>,
+    dir: &Path,
+) -> Result<(), Qwen3Error> {
+    let file = dir.join(WEIGHTS_FILE);
+    let tensors = params
+        .into_iter()
+        .map(|(name, shape, data)| {
+            let v = data
+                .convert::<f32>()
+                .to_vec::<f32>()
+                .map_err(|e| Qwen3Error::Safetensors { path: file.clone(), msg: format!("{name}: {e:?}") })?;
+            Ok((name, TensorOut::F32(shape, v)))
+        })
+        .collect::<Result<Vec<_>, Qwen3Error>>()?;
+    std::fs::create_dir_all(dir).map_err(crate::error::io_err(dir))?;
+    let meta = std::collections::HashMap::from([("format".to_owned(), "pt".to_owned())]);
+    write_safetensors(&file, tensors, Some(meta))?;
+    config.save(dir)
+}

@@ -1,0 +1,165 @@
+//! The flags turned into the library's training loop ([`qwen3_burn::trainer`]): its options,
+//! the backend and device each kind of run trains on, and one rank's share of a job. The loop
+//! itself is the library's; nothing here trains.
+
+use std::sync::Arc;
+
+use anyhow::Result;
+use burn::backend::Autodiff;
+use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
+use burn::tensor::DType;
+use burn::tensor::backend::Backend as BurnBackend;
+use burn_fsdp::offload::OffloadPolicy;
+use burn_fsdp::{CommError, FsdpConfig, MixedPrecisionPolicy, ProcessGroup};
+use burn_metax_backend::{MetaxEmu, MetaxEmuDevice};
+use qwen3_burn::trainer::{
+    self, Parallelism, RankGroups, SavePolicy, StepMetrics, TrainOptions, split_mesh, train_in_process,
+};
+
+use super::args::{ActivationCheckpointing, DeviceKind, Precision, TrainArgs};
+use super::report::MetricsSink;
+use super::setup::Setup;
+use crate::Backend;
+
+/// The autodiff backend of FSDP training when backward re-gathers ([`regathers`]): balanced
+/// checkpointing, so that resharded parameters are re-gathered in backward.
+pub type FsdpTrainBackend<B> = Autodiff<B, BalancedCheckpointing>;
+
+/// The FSDP policy the flags ask for.
+pub fn fsdp_config(args: &TrainArgs) -> FsdpConfig {
+    let mp_policy = match args.mixed_precision {
+        Precision::Fp32 => MixedPrecisionPolicy::default(),
+        Precision::Bf16 => MixedPrecisionPolicy {
+            param_dtype: Some(DType::BF16),
+            reduce_dtype: Some(DType::F32),
+            output_dtype: None,
+        },
+    };
+    FsdpConfig {
+        reshard_after_forward: args.reshard_after_forward.unwrap_or(true),
+        mp_policy,
+        offload: OffloadPolicy { enabled: args.offload },
+        prefetch: !args.no_prefetch,
+        units: qwen3_burn::parallelize::fsdp_units(),
+        ..FsdpConfig::default()
+    }
+}
+
+/// What the flags ask the training loop for, over `steps` steps.
+pub fn options(args: &TrainArgs, steps: usize) -> Result<TrainOptions> {
+    let schedule = args.lr_schedule(steps);
+    Ok(TrainOptions {
+        steps,
+        grad_accum: args.grad_accum,
+        clip: args.clip,
+        activation_checkpointing: args.activation_checkpointing == ActivationCheckpointing::Block,
+        optimizer: args.adamw(),
+        lr: Arc::new(move |step| schedule.lr_at(step)),
+        fsdp: fsdp_config(args),
+        resume: None,
+        save: args.save_dir.clone().map(|dir| SavePolicy { dir, every: args.save_every }),
+        export: args.export.clone(),
+        timeout: args.collective_timeout()?,
+    })
+}
+
+/// [`options`] for a run from `setup` (its steps and the checkpoint it resumes).
+fn setup_options(args: &TrainArgs, setup: &Setup) -> Result<TrainOptions> {
+    Ok(TrainOptions { resume: setup.resume.clone(), ..options(args, setup.steps)? })
+}
+
+/// Whether an FSDP rank's backward has anything to re-gather with these flags
+/// ([`TrainOptions::regathers`]).
+pub fn regathers(args: &TrainArgs, shard_world: usize) -> bool {
+    let options = TrainOptions {
+        fsdp: fsdp_config(args),
+        activation_checkpointing: args.activation_checkpointing == ActivationCheckpointing::Block,
+        ..TrainOptions::new(0)
+    };
+    options.regathers(shard_world)
+}
+
+/// Single-device training: the reference every FSDP run is compared with. On the CPU (NdArray),
+/// or on emulated MetaX device 0 with `--device metax-emu`.
+pub fn train_single(args: &TrainArgs, setup: Setup, sink: &MetricsSink) -> Result<Vec<StepMetrics>> {
+    let options = setup_options(args, &setup)?;
+    let Setup { config, model, batches, .. } = &setup;
+    Ok(match args.device {
+        DeviceKind::MetaxEmu => {
+            let single = Parallelism::Single(MetaxEmuDevice::new(0));
+            trainer::train::<MetaxEmu>(single, config, model, batches, &options, sink)?
+        }
+        _ => trainer::train::<Backend>(
+            Parallelism::Single(crate::device()),
+            config,
+            model,
+            batches,
+            &options,
+            sink,
+        )?,
+    })
+}
+
+/// FSDP training over in-process ranks (threads), `--world-size` of them or the ranks of
+/// `--mesh`/`--hsdp`; each rank trains on its slice of every step's batch, all on the backend's
+/// default device.
+pub fn train_fsdp<B: BurnBackend>(
+    args: &TrainArgs,
+    setup: Setup,
+    sink: &MetricsSink,
+) -> Result<Vec<StepMetrics>> {
+    train_fsdp_on::<B>(args, setup, sink, |_| Default::default())
+}
+
+/// [`train_fsdp`] with rank `r` on device `device_of(r)` (e.g. one emulated MetaX device per
+/// rank).
+pub fn train_fsdp_on<B: BurnBackend>(
+    args: &TrainArgs,
+    setup: Setup,
+    sink: &MetricsSink,
+    device_of: impl Fn(usize) -> B::Device + Sync,
+) -> Result<Vec<StepMetrics>> {
+    let options = setup_options(args, &setup)?;
+    let Setup { config, model, batches, .. } = &setup;
+    Ok(train_in_process::<B>(args.topology(), config, model, batches, &options, sink, device_of)?)
+}
+
+/// One FSDP rank's training (any process groups: in-process threads, MPI or TCP processes,
+/// device communicators). Rank 0 reports to `sink`.
+pub fn fsdp_rank<B: BurnBackend>(
+    args: &TrainArgs,
+    setup: &Setup,
+    groups: RankGroups<B>,
+    sink: &MetricsSink,
+) -> Result<Vec<StepMetrics>> {
+    let options = setup_options(args, setup)?;
+    let Setup { config, model, batches, .. } = setup;
+    Ok(trainer::train::<B>(Parallelism::Sharded(groups), config, model, batches, &options, sink)?)
+}
+
+/// One process rank's CPU training: its mesh groups split from `world`
+/// ([`split_mesh`]), on NdArray (fp32) or Flex (bf16 mixed precision).
+pub fn cpu_rank<G>(
+    args: &TrainArgs,
+    setup: &Setup,
+    sink: &MetricsSink,
+    precision: Precision,
+    rank: usize,
+    world: Arc<G>,
+    split: impl Fn(&G, u32, u32) -> std::result::Result<Arc<G>, CommError>,
+) -> Result<Vec<StepMetrics>>
+where
+    G: ProcessGroup<Backend> + ProcessGroup<burn::backend::Flex<f32>> + 'static,
+{
+    let topology = args.topology();
+    match precision {
+        Precision::Fp32 => {
+            let groups = split_mesh::<Backend, G>(topology, rank, world, split)?;
+            fsdp_rank::<Backend>(args, setup, groups, sink)
+        }
+        Precision::Bf16 => {
+            let groups = split_mesh::<burn::backend::Flex<f32>, G>(topology, rank, world, split)?;
+            fsdp_rank::<burn::backend::Flex<f32>>(args, setup, groups, sink)
+        }
+    }
+}
