@@ -53,7 +53,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Shape, Tensor, TensorMetadata, TensorPrimitive};
 
-use crate::op::FsdpBackend;
+use crate::fsdp::op::FsdpBackend;
 use crate::runner::{Direct, UnitRunner};
 
 /// A gradient, as the inner backend holds it.

@@ -26,12 +26,12 @@ use burn::tensor::{Shape, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
 use crate::comm::Tag;
+use crate::fsdp::offload::{HostAdam, HostParam};
+use crate::fsdp::op::FsdpBackend;
+use crate::fsdp::param::ShardedParam;
 use crate::fsdp::{Fsdp, FsdpError};
 use crate::io::{IoError, SafetensorsFile, TensorOut, io_err, write_atomic, write_safetensors};
-use crate::offload::{HostAdam, HostParam};
-use crate::op::FsdpBackend;
 use crate::optim::{AdamState, TorchAdamW, TorchAdamWConfig};
-use crate::param::ShardedParam;
 use crate::tp::TensorParallel;
 
 /// Name of the index file.

@@ -19,36 +19,32 @@
 //!   [`ProcessGroup`] and its transports ([`comm::local`] threads, [`comm::tcp`] processes,
 //!   `comm::mpi` with the `mpi` feature), the host reductions they share ([`comm::host`]) and
 //!   [`DeviceMesh`] ([`comm::mesh`]). Nothing in it imports from the files below.
-//! - FSDP proper, on top, after PyTorch's `_fully_shard/`, one concept per file: [`param`] (the
-//!   sharded parameter), [`unit`](mod@unit) (the parameter group), [`collectives`] and [`prefetch`] (the
-//!   unit's gathers and reduce-scatters, inline or on a communication thread), [`op`] (the
-//!   autodiff hooks), [`view`] (the parameters cut out of a gathered unit), [`offload`],
-//!   `replicas` (rank 0's values broadcast at wrap), [`init`] (deferred, per-shard
-//!   initialisation: [`Fsdp::wrap_deferred`]), [`runner`] and [`activation`] (the model's
-//!   hooks, activation checkpointing), [`walk`] (module paths and parameter descriptions, shared
-//!   with `tp`), [`fsdp`] (the public API).
-//! - Beside it: [`tp`] (tensor parallelism on a 2-D mesh), [`optim`] (AdamW on shards, clipping),
+//! - [`fsdp`] — FSDP proper, on top, after PyTorch's `_fully_shard/`, one concept per file
+//!   under `src/fsdp/`: [`param`] (the sharded parameter), [`unit`](mod@unit) (the parameter
+//!   group), [`collectives`] and [`prefetch`] (the unit's gathers and reduce-scatters, inline or
+//!   on a communication thread), [`op`] (the autodiff hooks), [`view`] (the parameters cut out
+//!   of a gathered unit), [`offload`], [`init`] (deferred, per-shard initialisation:
+//!   [`Fsdp::wrap_deferred`]), rank 0's values broadcast at wrap, and the public API
+//!   ([`Fsdp`]). Those modules are also at the crate root (`burn_fsdp::param`, …), as before.
+//! - The model's side, used by FSDP and by models: [`runner`] and [`activation`] (the hooks a
+//!   model runs its blocks through, activation checkpointing) and [`walk`] (module paths and
+//!   parameter descriptions, shared with `tp`).
+//! - Beside FSDP: [`tp`] (tensor parallelism on a 2-D mesh), [`optim`] (AdamW on shards, clipping),
 //!   [`checkpoint`] and [`io`] (sharded state on disk).
 #![warn(missing_docs)]
 
 pub mod activation;
 pub mod checkpoint;
-pub mod collectives;
 pub mod comm;
 pub mod fsdp;
-pub mod init;
 pub mod io;
-pub mod offload;
-pub mod op;
 pub mod optim;
-pub mod param;
-pub mod prefetch;
-mod replicas;
 pub mod runner;
 pub mod tp;
-pub mod unit;
-pub mod view;
 pub mod walk;
+
+// FSDP's parts at their earlier paths (`burn_fsdp::param`, `burn_fsdp::offload`, …).
+pub use fsdp::{collectives, init, offload, op, param, prefetch, unit, view};
 
 pub use comm::local::{LocalGroup, launch};
 pub use comm::mesh::DeviceMesh;

@@ -6,7 +6,7 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
-use crate::init::ShardInit;
+use crate::fsdp::init::ShardInit;
 
 /// Tracks the dotted module path (`model.layers.0.mlp.up_proj.weight`) while a
 /// `ModuleVisitor`/`ModuleMapper` walks a module: push in `enter_module`, pop in

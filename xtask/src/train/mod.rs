@@ -10,8 +10,8 @@
 //! | `report.rs` | metrics file and terminal ([`MetricsSink`]), comparison, `summary.json` |
 //! | `run.rs` | the entry point: launching or joining a job, running, reporting ([`run()`]) |
 //!
-//! The files import in one direction: `run` → `ranks` → `setup`, `report` → `args`; the
-//! launchers (`crate::launch`, `crate::env_launch`) sit between `run` and `ranks`.
+//! The files import in one direction: `run` → the launchers (`crate::launch`,
+//! `crate::env_launch`) → `ranks` → `setup`, `report` → `args`.
 
 pub(crate) mod args;
 pub(crate) mod ranks;

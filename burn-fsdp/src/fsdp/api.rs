@@ -11,18 +11,18 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 
 use crate::activation::{CheckpointRunner, Checkpointed, add_grads};
-use crate::collectives::UnitComm;
 use crate::comm::mesh::DeviceMesh;
 use crate::comm::{CommError, CommStats, ProcessGroup, ReduceOp, Tag};
-use crate::init::{InitError, ShardInit};
-use crate::offload::{HostStore, OffloadPolicy};
-use crate::op::{FsdpBackend, GatherComm};
+use crate::fsdp::collectives::UnitComm;
+use crate::fsdp::init::{InitError, ShardInit};
+use crate::fsdp::offload::{HostStore, OffloadPolicy};
+use crate::fsdp::op::{FsdpBackend, GatherComm};
+use crate::fsdp::param::ShardedParam;
+use crate::fsdp::prefetch::{PrefetchStats, Prefetcher};
+use crate::fsdp::unit::FsdpUnit;
+use crate::fsdp::view::{ParamView, ViewGroup};
 use crate::optim::{TorchAdamW, clip_coefficient, grad_sq_sum, grad_sq_sum_split, scale_grads};
-use crate::param::ShardedParam;
-use crate::prefetch::{PrefetchStats, Prefetcher};
 use crate::runner::UnitRunner;
-use crate::unit::FsdpUnit;
-use crate::view::{ParamView, ViewGroup};
 use crate::walk::{deferred_shape, describe_float_tensors, describe_params};
 
 mod eval;
@@ -91,7 +91,7 @@ pub struct FsdpConfig {
     pub offload: OffloadPolicy,
     /// Overlap communication with compute (FSDP2's default forward and backward prefetch of
     /// one unit, and reduce-scatters that run while backward continues): every collective of
-    /// the rank runs on a communication thread ([`crate::prefetch`]). `false` runs each
+    /// the rank runs on a communication thread ([`crate::fsdp::prefetch`]). `false` runs each
     /// collective on the compute thread when it is needed.
     pub prefetch: bool,
 }
@@ -277,14 +277,14 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     }
 
     /// [`wrap`](Self::wrap) for a model whose parameters do not exist yet: each rank creates
-    /// only its own shards (PyTorch FSDP2's meta-device initialisation; see [`crate::init`]).
+    /// only its own shards (PyTorch FSDP2's meta-device initialisation; see [`crate::fsdp::init`]).
     ///
     /// `model` is built with lazy parameters ([`Param::uninitialized`], as Burn's own
     /// `XConfig::init` does), which allocate nothing. For every lazy parameter that `init`
     /// [provides](ShardInit::provides), this rank's rows are asked of `init` and its own
     /// initialiser never runs; no full copy of such a parameter is ever made (nor broadcast:
     /// `init` must give every rank the same tensor, which a checkpoint reader or
-    /// [`seeded_normal`](crate::init::seeded_normal) does). Other tensors are handled as by
+    /// [`seeded_normal`](crate::fsdp::init::seeded_normal) does). Other tensors are handled as by
     /// [`wrap`](Self::wrap). A lazy parameter's load/save mappers ([`Param::load_mapper`]) are
     /// not kept: add them after wrapping if needed.
     ///
@@ -386,7 +386,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         let model = {
             let mut groups = vec![&group];
             groups.extend(replicate.as_ref());
-            crate::replicas::from_rank0::<B, M>(model, &groups, deferred)?
+            crate::fsdp::replicas::from_rank0::<B, M>(model, &groups, deferred)?
         };
         // FSDP2 shards parameters, never buffers: tensors that do not require grad (Burn's
         // `RunningState` buffers such as BatchNorm's running statistics, and frozen parameters)
@@ -647,7 +647,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         // (With the communication thread a backward never waits for a collective, except
         // the reduce-scatter of a unit too wide for the gather's direct parents.)
         let blocking = self.prefetch.is_none()
-            || self.units.iter().any(|u| u.params.len() > crate::op::MAX_DIRECT_PARENTS);
+            || self.units.iter().any(|u| u.params.len() > crate::fsdp::op::MAX_DIRECT_PARENTS);
         let between: Option<Box<dyn Fn() + 's>> =
             blocking.then(|| Box::new(move || self.barrier_all("checkpointed-backward")) as _);
         match result {
@@ -681,7 +681,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     }
 
     /// What the overlap of communication with compute achieved on this rank (see
-    /// [`crate::prefetch`]); `None` when it is off (`prefetch: false`, or world size 1).
+    /// [`crate::fsdp::prefetch`]); `None` when it is off (`prefetch: false`, or world size 1).
     pub fn prefetch_stats(&self) -> Option<PrefetchStats> {
         self.prefetch.as_ref().map(|p| p.stats())
     }

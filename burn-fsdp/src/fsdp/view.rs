@@ -37,7 +37,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Shape, Slice, TensorMetadata};
 
-use crate::param::ShardedParam;
+use crate::fsdp::param::ShardedParam;
 
 /// The gradient buffer shared by the views of one gather (one forward of one unit).
 #[derive(Debug)]

@@ -31,7 +31,7 @@ use std::time::Instant;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Shape, Tensor, TensorPrimitive};
 
-use crate::collectives::{Phase, UnitComm};
+use crate::fsdp::collectives::{Phase, UnitComm};
 
 type Job = Box<dyn FnOnce() + Send>;
 

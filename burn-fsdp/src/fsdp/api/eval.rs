@@ -10,8 +10,8 @@ use burn::module::{AutodiffModule, Module};
 use burn::tensor::Tensor;
 
 use super::{Fsdp, FsdpError, Unsharder, collect_shards, unit_shards};
-use crate::collectives::Phase;
-use crate::op::FsdpBackend;
+use crate::fsdp::collectives::Phase;
+use crate::fsdp::op::FsdpBackend;
 use crate::runner::UnitRunner;
 
 impl<B: FsdpBackend, M: AutodiffModule<B>> Fsdp<B, M> {
@@ -56,7 +56,7 @@ impl<B: FsdpBackend, M: AutodiffModule<B>> Fsdp<B, M> {
         let unit = &self.units[u];
         let shards = collect_shards::<B::InnerBackend, U>(&module, &self.param_unit, self.units.len());
         let pieces = unit_shards::<B::InnerBackend, _>(unit, &shards[u]);
-        let flat = crate::prefetch::flat::<B::InnerBackend>(pieces);
+        let flat = crate::fsdp::prefetch::flat::<B::InnerBackend>(pieces);
         let gathered = unit.comm.gather(flat, Phase::ForwardGather).into_primitive().tensor();
         module.map(&mut Unsharder { unit, gathered, world: self.world() })
     }

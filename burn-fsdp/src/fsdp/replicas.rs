@@ -16,7 +16,7 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
 use crate::comm::{CommError, ProcessGroup, Tag};
-use crate::init::ShardInit;
+use crate::fsdp::init::ShardInit;
 use crate::walk::{PathStack, deferred_shape};
 
 /// `model` with every float tensor replaced by rank 0's value over each of `groups`, in order.

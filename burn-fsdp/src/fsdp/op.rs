@@ -32,10 +32,10 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Shape, Tensor, TensorMetadata, TensorPrimitive};
 
-use crate::collectives::{Phase, UnitComm};
-use crate::offload::HostStore;
-use crate::prefetch::Prefetcher;
-use crate::view::{ParamView, ViewGroup};
+use crate::fsdp::collectives::{Phase, UnitComm};
+use crate::fsdp::offload::HostStore;
+use crate::fsdp::prefetch::Prefetcher;
+use crate::fsdp::view::{ParamView, ViewGroup};
 use burn::module::ParamId;
 
 /// Units with at most this many parameters (plus the anchor) gather without keeping a
@@ -88,7 +88,7 @@ pub trait FsdpBackend: AutodiffBackend {
 
     /// Parameter `view` cut out of a unit's gathered buffer (`[world · unit_len]`, the output
     /// of [`fsdp_all_gather`](Self::fsdp_all_gather)), differentiably: the backward of all
-    /// views of one `group` adds into a single gradient buffer ([`crate::view`]).
+    /// views of one `group` adds into a single gradient buffer ([`crate::fsdp::view`]).
     fn fsdp_param_view(
         gathered: &FloatTensor<Self>,
         view: ParamView,
@@ -329,7 +329,7 @@ impl<B: Backend, C: CheckpointStrategy> FsdpBackend for Autodiff<B, C> {
         view: ParamView,
         group: &Arc<ViewGroup>,
     ) -> FloatTensor<Self> {
-        crate::view::param_view::<B, C>(gathered, view, group)
+        crate::fsdp::view::param_view::<B, C>(gathered, view, group)
     }
 
     fn recomputes() -> bool {

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use burn::module::ParamId;
 use burn::tensor::backend::Backend;
 
-use crate::collectives::UnitComm;
-use crate::param::ShardedParam;
+use crate::fsdp::collectives::UnitComm;
+use crate::fsdp::param::ShardedParam;
 
 /// One FSDP unit: its parameters, their offsets in the flat shard, and its communicator.
 ///
