@@ -412,12 +412,22 @@ impl<B: Backend> Qwen3<B> {
     /// Saves `config.json` + `model.safetensors` into `dir` in HF layout (f32; no
     /// `lm_head.weight` when tied), each file written atomically.
     pub fn save(&self, config: &Qwen3Config, dir: impl AsRef<Path>) -> Result<()> {
-        let dir = dir.as_ref();
-        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
-        let meta = HashMap::from([("format".to_owned(), "pt".to_owned())]);
-        write_safetensors(dir.join(WEIGHTS_FILE), self.to_hf_tensors(), Some(meta))?;
-        Ok(write_atomic(&dir.join(CONFIG_FILE), config.to_json_string().as_bytes())?)
+        write_hf_checkpoint(config, self.to_hf_tensors(), dir.as_ref())
     }
+}
+
+/// Writes `config.json` + `model.safetensors` (`tensors` under their HF names) into `dir`,
+/// creating it, each file atomically: what [`Qwen3::save`] and the trainer's export of FSDP's
+/// gathered parameters both write.
+pub fn write_hf_checkpoint(
+    config: &Qwen3Config,
+    tensors: Vec<(String, TensorOut)>,
+    dir: &Path,
+) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    let meta = HashMap::from([("format".to_owned(), "pt".to_owned())]);
+    write_safetensors(dir.join(WEIGHTS_FILE), tensors, Some(meta))?;
+    Ok(write_atomic(&dir.join(CONFIG_FILE), config.to_json_string().as_bytes())?)
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@ use super::engine::{Engine, Placement};
 use super::{
     InitialWeights, LOSS_CHUNK_BYTES, Parallelism, StepMetrics, TrainError, TrainOptions, TrainSink,
 };
-use crate::checkpoint::{TensorOut, WEIGHTS_FILE, write_safetensors};
+use crate::checkpoint::{TensorOut, WEIGHTS_FILE, write_hf_checkpoint};
 use crate::train::{Batches, loss_chunk_rows};
 use crate::{Qwen3Config, Qwen3Error};
 
@@ -207,7 +207,8 @@ fn steps<B: Backend, C: CheckpointStrategy>(
 
 /// Writes full parameters `(HF name, shape, values)` (e.g. FSDP's
 /// [`full_parameters`](burn_fsdp::Fsdp::full_parameters)) as an HF checkpoint:
-/// `config.json` + `model.safetensors` (f32) in `dir`.
+/// `config.json` + `model.safetensors` (f32) in `dir`, each file written atomically
+/// ([`write_hf_checkpoint`]).
 pub fn export_hf(
     config: &Qwen3Config,
     params: Vec<(String, Vec<usize>, TensorData)>,
@@ -224,8 +225,5 @@ pub fn export_hf(
             Ok((name, TensorOut::F32(shape, v)))
         })
         .collect::<Result<Vec<_>, Qwen3Error>>()?;
-    std::fs::create_dir_all(dir).map_err(crate::error::io_err(dir))?;
-    let meta = std::collections::HashMap::from([("format".to_owned(), "pt".to_owned())]);
-    write_safetensors(&file, tensors, Some(meta))?;
-    config.save(dir)
+    write_hf_checkpoint(config, tensors, dir)
 }
