@@ -57,6 +57,31 @@ fn single_device_training_matches_pytorch() {
     check_run("qwen3-tiny-a", "single", &["--no-fsdp", "--steps", "20"]);
 }
 
+/// Both CPU backends of `--cpu-backend`, named explicitly (the tests above run the default):
+/// NdArray is the reference configuration, Flex the default of `train-qwen3 --device cpu`.
+#[test]
+fn both_cpu_backends_match_pytorch_single_and_fsdp() {
+    for backend in ["ndarray", "flex"] {
+        check_run("qwen3-tiny-a", "single", &["--no-fsdp", "--steps", "20", "--cpu-backend", backend]);
+        check_run("qwen3-tiny-a", "fsdp4", &["--world-size", "4", "--steps", "20", "--cpu-backend", backend]);
+    }
+}
+
+/// The default CPU backend (Flex) repeats itself bit for bit: two runs, single device and
+/// FSDP over 2 ranks, give the same losses and gradient norms.
+#[test]
+fn default_cpu_backend_is_deterministic_run_to_run() {
+    for extra in [&["--no-fsdp"][..], &["--world-size", "2"][..]] {
+        let run = || {
+            let args = train_args("qwen3-tiny-a", &[extra, &["--steps", "5"]].concat());
+            assert_eq!(args.cpu_backend, xtask::train::CpuBackend::Flex, "the default CPU backend");
+            let metrics = xtask::train::run(&args).unwrap();
+            metrics.iter().map(|m| (m.loss.to_bits(), m.grad_norm.to_bits())).collect::<Vec<_>>()
+        };
+        assert_eq!(run(), run(), "{extra:?}: two runs differ");
+    }
+}
+
 #[test]
 fn single_device_clip_and_accumulation_match_pytorch() {
     check_run("qwen3-tiny-a", "single_clip_accum", &["--no-fsdp", "--clip", "1.0", "--grad-accum", "2"]);

@@ -25,6 +25,8 @@ use anyhow::{Context, Result};
 use burn_fsdp::CollectiveKind;
 use qwen3_burn::Qwen3Config;
 
+use crate::train::CpuBackend;
+
 use bandwidth::{collective_gbps, memcpy_gbps, parallel_memcpy_gbps};
 use memory::{activation_memory, memory_figures};
 use throughput::{forward_tokens_per_sec, qwen3_50m, train_throughput};
@@ -58,6 +60,9 @@ pub struct BenchArgs {
     /// `fsdp_w2_scaling_efficiency` and PyTorch's; see `xtask::bench::scaling`).
     #[arg(long, conflicts_with_all = ["quick", "activation_memory_only", "qwen3_06b_memory"])]
     pub scaling_only: bool,
+    /// The CPU backend the scaling figures train on (`train-qwen3 --cpu-backend`).
+    #[arg(long, value_enum, default_value_t = CpuBackend::Flex)]
+    pub cpu_backend: CpuBackend,
     /// Internal: one single-device run of the scaling model, in a process pinned by `bench`.
     #[arg(long, hide = true)]
     pub scaling_worker: bool,
@@ -145,7 +150,7 @@ pub fn run(args: &BenchArgs) -> Result<Vec<(String, f64)>> {
         return Ok(figures);
     }
     if args.scaling_worker {
-        scaling::worker(args.steps, args.world)?;
+        scaling::worker(args.steps, args.world, args.cpu_backend)?;
         return Ok(Vec::new());
     }
     if args.qwen3_06b_memory {
@@ -160,7 +165,7 @@ pub fn run(args: &BenchArgs) -> Result<Vec<(String, f64)>> {
         Some(why) => Err(why.as_str()),
     };
     if args.scaling_only {
-        let figures = scaling::figures(args.steps, torch)?;
+        let figures = scaling::figures(args.steps, args.cpu_backend, torch)?;
         print_figures(&figures);
         return Ok(figures);
     }
@@ -302,7 +307,7 @@ pub fn run(args: &BenchArgs) -> Result<Vec<(String, f64)>> {
         figures.extend(activation_memory()?);
     }
     // The headline: scaling on equal cores (two processes, or one process on two cores).
-    figures.extend(scaling::figures(args.steps, torch)?);
+    figures.extend(scaling::figures(args.steps, args.cpu_backend, torch)?);
 
     match (torch_headline, &missing) {
         (Some(t), _) => figures.extend(t),

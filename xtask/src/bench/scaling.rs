@@ -10,7 +10,8 @@
 //!   pinned to its core) when PyTorch is present, and Burn against PyTorch tokens/s per core.
 //!
 //! The model is the ~29M-parameter Qwen3 of issue #19 (hidden 512, 8 layers, vocab 8192),
-//! 4 rows × 128 tokens per rank and step.
+//! 4 rows × 128 tokens per rank and step; Burn's side runs on `bench --cpu-backend` (Flex by
+//! default, as `train-qwen3`), every one of its runs on the same backend.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -19,6 +20,7 @@ use anyhow::{Context, Result, bail, ensure};
 use qwen3_burn::Qwen3Config;
 
 use super::throughput::{qwen3_50m, train_throughput};
+use crate::train::CpuBackend;
 
 /// Rows per rank and step.
 pub const ROWS: usize = 4;
@@ -64,8 +66,9 @@ pub fn allowed_cores() -> Result<Vec<usize>> {
 /// `bench --scaling-worker`: one single-device run of the scaling model (FSDP over `world`
 /// in-process ranks if given), as a process of its own (pinned by its parent or by
 /// `taskset`); prints `tokens_per_sec: X`.
-pub fn worker(steps: usize, world: Option<usize>) -> Result<()> {
-    let t = train_throughput(&qwen3_29m(), world, ROWS * world.unwrap_or(1), SEQ, steps, &[])?;
+pub fn worker(steps: usize, world: Option<usize>, backend: CpuBackend) -> Result<()> {
+    let backend = ["--cpu-backend", backend.name()];
+    let t = train_throughput(&qwen3_29m(), world, ROWS * world.unwrap_or(1), SEQ, steps, &backend)?;
     println!("tokens_per_sec: {}", t.tokens_per_sec);
     Ok(())
 }
@@ -150,20 +153,23 @@ impl Torch<'_> {
 
 /// The scaling figures (see the module docs); `python` is the interpreter with PyTorch, or
 /// why there is none (its figures are then printed as skipped, with that reason).
-pub fn figures(steps: usize, python: Result<&Path, &str>) -> Result<Vec<(String, f64)>> {
+pub fn figures(steps: usize, backend: CpuBackend, python: Result<&Path, &str>) -> Result<Vec<(String, f64)>> {
     let config = qwen3_29m();
     let cores = allowed_cores()?;
     println!(
         "[scaling] Qwen3 of {} parameters (hidden 512, 8 layers, vocab 8192), {ROWS} × {SEQ} tokens per rank, \
-         {steps} timed steps; cores {cores:?}",
-        config.num_params()
+         {steps} timed steps, burn's {} backend; cores {cores:?}",
+        config.num_params(),
+        backend.name()
     );
+    let backend = ["--cpu-backend", backend.name()];
     let mut figures = Vec::new();
     let core0 = *cores.first().context("sched_getaffinity allowed no core")?;
 
     // FSDP at W = 1 against --no-fsdp, on one core, alternated.
     let on_core0 = |world| {
-        pinned(&[core0], || train_throughput(&config, world, ROWS, SEQ, steps, &[])).map(|t| t.tokens_per_sec)
+        pinned(&[core0], || train_throughput(&config, world, ROWS, SEQ, steps, &backend))
+            .map(|t| t.tokens_per_sec)
     };
     let (single, w1) = alternated(|| on_core0(None), || on_core0(Some(1)))?;
     println!(
@@ -178,7 +184,7 @@ pub fn figures(steps: usize, python: Result<&Path, &str>) -> Result<Vec<(String,
         let exe = std::env::current_exe()?;
         let worker = || {
             let mut c = Command::new(&exe);
-            c.args(["bench", "--scaling-worker", "--steps", &steps.to_string()]);
+            c.args(["bench", "--scaling-worker", "--steps", &steps.to_string()]).args(backend);
             c
         };
         let (independent, w2) = alternated(
@@ -187,7 +193,7 @@ pub fn figures(steps: usize, python: Result<&Path, &str>) -> Result<Vec<(String,
                 children.into_iter().map(|c| read_figure(c, "tokens_per_sec")).sum()
             },
             || {
-                pinned(&pair, || train_throughput(&config, Some(2), 2 * ROWS, SEQ, steps, &[]))
+                pinned(&pair, || train_throughput(&config, Some(2), 2 * ROWS, SEQ, steps, &backend))
                     .map(|t| t.tokens_per_sec)
             },
         )?;

@@ -10,7 +10,7 @@ use qwen3_burn::train::inputs_and_labels;
 
 use crate::Backend;
 use crate::data::synthetic_batches;
-use crate::train::{MetricsSink, Setup, TrainArgs, train_fsdp, train_single};
+use crate::train::{MetricsSink, Setup, TrainArgs, train_fsdp_cpu, train_single};
 
 /// Throughput of one training configuration.
 pub(crate) struct Throughput {
@@ -47,7 +47,7 @@ pub(crate) fn train_throughput(
     let before = CollectiveTime::now();
     let metrics = match world {
         None => train_single(&args, setup, &sink)?,
-        Some(_) => train_fsdp::<Backend>(&args, setup, &sink)?,
+        Some(_) => train_fsdp_cpu(&args, setup, &sink)?,
     };
     let collectives = CollectiveTime::now().since(&before);
     let exposed_wait = sink

@@ -163,12 +163,18 @@ pub struct TrainArgs {
     /// averaged across replicas. R·S ranks in all.
     #[arg(long, value_parser = parse_mesh, conflicts_with = "no_fsdp")]
     pub hsdp: Option<(usize, usize)>,
-    /// Where each rank computes: `cpu` (NdArray, or Flex for bf16); `metax-emu`, the emulated
+    /// Where each rank computes: `cpu` (burn's Flex or NdArray: `--cpu-backend`); `metax-emu`, the emulated
     /// MetaX device (in-process ranks, one emulated device each, or `--no-fsdp`); or one GPU
     /// per process with device collectives: `metax` (MCCL) or `cuda-proxy` (NCCL; xtask built
     /// with `--features cuda`). GPUs need `--launcher env` (the GPU is `LOCAL_RANK`).
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     pub device: DeviceKind,
+    /// The Burn backend of `--device cpu` in fp32: `flex` (burn's Flex: matrix products by the
+    /// `gemm` crate, with AVX-512 kernels where the CPU has them; the fastest measured, and
+    /// deterministic run to run) or `ndarray` (burn's NdArray, the reference configuration of
+    /// the parity tests). bf16 mixed precision always runs on Flex (NdArray has no bf16).
+    #[arg(long, value_enum, default_value_t = CpuBackend::Flex)]
+    pub cpu_backend: CpuBackend,
     /// Collective timeout in seconds: a rank that waits longer for its peers fails with an
     /// error (and so does the job).
     #[arg(long, default_value_t = 120.0)]
@@ -221,6 +227,27 @@ impl DeviceKind {
             DeviceKind::Metax => "metax",
             DeviceKind::CudaProxy => "cuda-proxy",
             DeviceKind::MetaxEmu => "metax-emu",
+        }
+    }
+}
+
+/// `--cpu-backend` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CpuBackend {
+    /// burn's NdArray (`matrixmultiply` products).
+    #[value(name = "ndarray")]
+    NdArray,
+    /// burn's Flex (`gemm` products, SIMD element-wise kernels).
+    Flex,
+}
+
+impl CpuBackend {
+    /// The flag value.
+    pub fn name(self) -> &'static str {
+        match self {
+            CpuBackend::NdArray => "ndarray",
+            CpuBackend::Flex => "flex",
         }
     }
 }

@@ -19,11 +19,11 @@ pub(crate) mod report;
 mod run;
 pub(crate) mod setup;
 
-pub use args::{ActivationCheckpointing, DeviceKind, Launcher, Precision, TrainArgs};
+pub use args::{ActivationCheckpointing, CpuBackend, DeviceKind, Launcher, Precision, TrainArgs};
 pub use qwen3_burn::trainer::{LOSS_CHUNK_BYTES, RankGroups, StepMetrics, Topology, export_hf};
 pub use ranks::{
-    FsdpTrainBackend, cpu_rank, fsdp_config, fsdp_rank, options, regathers, train_fsdp, train_fsdp_on,
-    train_single,
+    FsdpTrainBackend, cpu_rank, fsdp_config, fsdp_rank, options, regathers, train_fsdp, train_fsdp_cpu,
+    train_fsdp_on, train_single,
 };
 pub use report::{Comparison, MetricsSink, compare, default_run_dir, read_reference};
 pub use run::{run, train_entry};

@@ -16,7 +16,7 @@ use qwen3_burn::trainer::{
     self, Parallelism, RankGroups, SavePolicy, StepMetrics, TrainOptions, split_mesh, train_in_process,
 };
 
-use super::args::{ActivationCheckpointing, DeviceKind, Precision, TrainArgs};
+use super::args::{ActivationCheckpointing, CpuBackend, DeviceKind, Precision, TrainArgs};
 use super::report::MetricsSink;
 use super::setup::Setup;
 use crate::Backend;
@@ -89,6 +89,14 @@ pub fn train_single(args: &TrainArgs, setup: Setup, sink: &MetricsSink) -> Resul
             let single = Parallelism::Single(MetaxEmuDevice::new(0));
             trainer::train::<MetaxEmu>(single, config, model, batches, &options, sink)?
         }
+        _ if args.cpu_backend == CpuBackend::Flex => trainer::train::<burn::backend::Flex<f32>>(
+            Parallelism::Single(Default::default()),
+            config,
+            model,
+            batches,
+            &options,
+            sink,
+        )?,
         _ => trainer::train::<Backend>(
             Parallelism::Single(crate::device()),
             config,
@@ -109,6 +117,15 @@ pub fn train_fsdp<B: BurnBackend>(
     sink: &MetricsSink,
 ) -> Result<Vec<StepMetrics>> {
     train_fsdp_on::<B>(args, setup, sink, |_| Default::default())
+}
+
+/// [`train_fsdp`] on the CPU backend the flags choose: NdArray, or Flex for
+/// `--cpu-backend flex` and for bf16 mixed precision (NdArray has no bf16).
+pub fn train_fsdp_cpu(args: &TrainArgs, setup: Setup, sink: &MetricsSink) -> Result<Vec<StepMetrics>> {
+    match (args.mixed_precision, args.cpu_backend) {
+        (Precision::Fp32, CpuBackend::NdArray) => train_fsdp::<Backend>(args, setup, sink),
+        _ => train_fsdp::<burn::backend::Flex<f32>>(args, setup, sink),
+    }
 }
 
 /// [`train_fsdp`] with rank `r` on device `device_of(r)` (e.g. one emulated MetaX device per
@@ -153,11 +170,12 @@ where
 {
     let topology = args.topology();
     match precision {
-        Precision::Fp32 => {
+        Precision::Fp32 if args.cpu_backend == CpuBackend::NdArray => {
             let groups = split_mesh::<Backend, G>(topology, rank, world, split)?;
             fsdp_rank::<Backend>(args, setup, groups, sink)
         }
-        Precision::Bf16 => {
+        // bf16 mixed precision, or fp32 on `--cpu-backend flex`.
+        Precision::Fp32 | Precision::Bf16 => {
             let groups = split_mesh::<burn::backend::Flex<f32>, G>(topology, rank, world, split)?;
             fsdp_rank::<burn::backend::Flex<f32>>(args, setup, groups, sink)
         }

@@ -9,13 +9,12 @@ use anyhow::{Context, Result, bail};
 use burn_metax_backend::{MetaxEmu, MetaxEmuDevice};
 use qwen3_burn::trainer::{StepMetrics, Topology};
 
-use super::args::{DeviceKind, Launcher, Precision, TrainArgs};
-use super::ranks::{train_fsdp, train_fsdp_on, train_single};
+use super::args::{CpuBackend, DeviceKind, Launcher, Precision, TrainArgs};
+use super::ranks::{train_fsdp_cpu, train_fsdp_on, train_single};
 use super::report::{
     Finished, MetricsSink, compare, default_run_dir, mean_tps, read_reference, write_summary,
 };
 use super::setup::{Setup, setup};
-use crate::Backend;
 
 /// Entry point of `train-qwen3`: starts the MPI job when `--launcher mpi` is asked for outside
 /// an MPI launcher (or prints its command line with `--dry-run`), else trains in this process.
@@ -195,6 +194,7 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
     let policies: Vec<&str> = [
         (args.mixed_precision == Precision::Bf16).then_some("bf16 mixed precision"),
         args.offload.then_some("CPU offload"),
+        (args.device == DeviceKind::Cpu && args.cpu_backend == CpuBackend::Flex).then_some("Flex backend"),
         (args.device != DeviceKind::Cpu).then_some(args.device.name()),
     ]
     .into_iter()
@@ -216,9 +216,7 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
         (false, _, None) if args.device == DeviceKind::MetaxEmu => {
             train_fsdp_on::<MetaxEmu>(args, setup, &sink, MetaxEmuDevice::new)?
         }
-        (false, Precision::Fp32, None) => train_fsdp::<Backend>(args, setup, &sink)?,
-        // NdArray has no bf16; burn's Flex CPU backend does.
-        (false, Precision::Bf16, None) => train_fsdp::<burn::backend::Flex<f32>>(args, setup, &sink)?,
+        (false, _, None) => train_fsdp_cpu(args, setup, &sink)?,
     };
     sink.finish();
     if !is_main {
