@@ -19,7 +19,9 @@ pub mod schedule;
 pub mod tokenizer;
 pub mod train;
 
-/// The CPU backend every command runs on.
+/// The reference CPU backend (NdArray): `train-qwen3 --cpu-backend ndarray`, the logits and
+/// conformance commands, the parity tests' own tensors. `train-qwen3` trains on burn's Flex by
+/// default (`--cpu-backend flex`).
 pub type Backend = burn::backend::NdArray<f32>;
 /// Its autodiff decorator, for single-device training.
 pub type TrainBackend = burn::backend::Autodiff<Backend>;

@@ -89,22 +89,14 @@ pub fn train_single(args: &TrainArgs, setup: Setup, sink: &MetricsSink) -> Resul
             let single = Parallelism::Single(MetaxEmuDevice::new(0));
             trainer::train::<MetaxEmu>(single, config, model, batches, &options, sink)?
         }
-        _ if args.cpu_backend == CpuBackend::Flex => trainer::train::<burn::backend::Flex<f32>>(
-            Parallelism::Single(Default::default()),
-            config,
-            model,
-            batches,
-            &options,
-            sink,
-        )?,
-        _ => trainer::train::<Backend>(
-            Parallelism::Single(crate::device()),
-            config,
-            model,
-            batches,
-            &options,
-            sink,
-        )?,
+        _ if args.cpu_backend == CpuBackend::Flex => {
+            let single = Parallelism::Single(Default::default());
+            trainer::train::<burn::backend::Flex<f32>>(single, config, model, batches, &options, sink)?
+        }
+        _ => {
+            let single = Parallelism::Single(crate::device());
+            trainer::train::<Backend>(single, config, model, batches, &options, sink)?
+        }
     })
 }
 
