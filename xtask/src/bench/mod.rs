@@ -61,7 +61,7 @@ pub struct BenchArgs {
     #[arg(long, conflicts_with_all = ["quick", "activation_memory_only", "qwen3_06b_memory"])]
     pub scaling_only: bool,
     /// The CPU backend the scaling figures train on (`train-qwen3 --cpu-backend`).
-    #[arg(long, value_enum, default_value_t = CpuBackend::Flex)]
+    #[arg(long, value_enum, default_value_t = CpuBackend::DEFAULT)]
     pub cpu_backend: CpuBackend,
     /// Internal: one single-device run of the scaling model, in a process pinned by `bench`.
     #[arg(long, hide = true)]

@@ -173,7 +173,7 @@ pub struct TrainArgs {
     /// `gemm` crate, with AVX-512 kernels where the CPU has them; the fastest measured, and
     /// deterministic run to run) or `ndarray` (burn's NdArray, the reference configuration of
     /// the parity tests). bf16 mixed precision always runs on Flex (NdArray has no bf16).
-    #[arg(long, value_enum, default_value_t = CpuBackend::Flex)]
+    #[arg(long, value_enum, default_value_t = CpuBackend::DEFAULT)]
     pub cpu_backend: CpuBackend,
     /// Collective timeout in seconds: a rank that waits longer for its peers fails with an
     /// error (and so does the job).
@@ -243,6 +243,18 @@ pub enum CpuBackend {
 }
 
 impl CpuBackend {
+    /// `train-qwen3`'s default (and `bench`'s).
+    pub const DEFAULT: CpuBackend = CpuBackend::Flex;
+
+    /// The backend that trains at `precision`: this one in fp32, Flex in bf16 (NdArray has
+    /// no bf16).
+    pub fn at(self, precision: Precision) -> CpuBackend {
+        match precision {
+            Precision::Fp32 => self,
+            Precision::Bf16 => CpuBackend::Flex,
+        }
+    }
+
     /// The flag value.
     pub fn name(self) -> &'static str {
         match self {

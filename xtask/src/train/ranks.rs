@@ -114,9 +114,9 @@ pub fn train_fsdp<B: BurnBackend>(
 /// [`train_fsdp`] on the CPU backend the flags choose: NdArray, or Flex for
 /// `--cpu-backend flex` and for bf16 mixed precision (NdArray has no bf16).
 pub fn train_fsdp_cpu(args: &TrainArgs, setup: Setup, sink: &MetricsSink) -> Result<Vec<StepMetrics>> {
-    match (args.mixed_precision, args.cpu_backend) {
-        (Precision::Fp32, CpuBackend::NdArray) => train_fsdp::<Backend>(args, setup, sink),
-        _ => train_fsdp::<burn::backend::Flex<f32>>(args, setup, sink),
+    match args.cpu_backend.at(args.mixed_precision) {
+        CpuBackend::NdArray => train_fsdp::<Backend>(args, setup, sink),
+        CpuBackend::Flex => train_fsdp::<burn::backend::Flex<f32>>(args, setup, sink),
     }
 }
 
@@ -147,7 +147,7 @@ pub fn fsdp_rank<B: BurnBackend>(
 }
 
 /// One process rank's CPU training: its mesh groups split from `world`
-/// ([`split_mesh`]), on NdArray (fp32) or Flex (bf16 mixed precision).
+/// ([`split_mesh`]), on `--cpu-backend` (Flex for bf16 mixed precision).
 pub fn cpu_rank<G>(
     args: &TrainArgs,
     setup: &Setup,
@@ -161,13 +161,12 @@ where
     G: ProcessGroup<Backend> + ProcessGroup<burn::backend::Flex<f32>> + 'static,
 {
     let topology = args.topology();
-    match precision {
-        Precision::Fp32 if args.cpu_backend == CpuBackend::NdArray => {
+    match args.cpu_backend.at(precision) {
+        CpuBackend::NdArray => {
             let groups = split_mesh::<Backend, G>(topology, rank, world, split)?;
             fsdp_rank::<Backend>(args, setup, groups, sink)
         }
-        // bf16 mixed precision, or fp32 on `--cpu-backend flex`.
-        Precision::Fp32 | Precision::Bf16 => {
+        CpuBackend::Flex => {
             let groups = split_mesh::<burn::backend::Flex<f32>, G>(topology, rank, world, split)?;
             fsdp_rank::<burn::backend::Flex<f32>>(args, setup, groups, sink)
         }
