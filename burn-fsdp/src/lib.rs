@@ -36,6 +36,7 @@
 pub mod activation;
 pub mod checkpoint;
 pub mod comm;
+mod downcast;
 pub mod fsdp;
 pub mod io;
 pub mod optim;

@@ -14,6 +14,8 @@ use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
+mod fused;
+
 /// Hyper-parameters of [`TorchAdamW`] (PyTorch names and defaults, except `weight_decay`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TorchAdamWConfig {
@@ -135,18 +137,32 @@ impl<B: Backend> TorchAdamW<B> {
         let g = grad.reshape([n]);
         let p = param.reshape([n]);
         let TorchAdamWConfig { lr, betas: (b1, b2), eps, weight_decay } = self.config;
-        let state = self.state.remove(&id).unwrap_or_else(|| AdamState {
-            step: 0,
-            exp_avg: g.zeros_like(),
-            exp_avg_sq: g.zeros_like(),
-        });
-        let step = state.step + 1;
-        let p = if weight_decay != 0.0 { p.mul_scalar(1.0 - lr * weight_decay) } else { p };
-        let m = state.exp_avg.clone() + (g.clone() - state.exp_avg).mul_scalar(1.0 - b1);
-        let v = state.exp_avg_sq.mul_scalar(b2) + g.clone().mul(g).mul_scalar(1.0 - b2);
+        let state = self.state.remove(&id);
+        let step = state.as_ref().map_or(0, |s| s.step) + 1;
         let bias_correction1 = 1.0 - b1.powi(step as i32);
         let bias_correction2 = 1.0 - b2.powi(step as i32);
         let step_size = lr / bias_correction1;
+        // Flex, f32: the same operations in one pass over memory (the same bits).
+        let scalars = fused::Scalars {
+            decay: (weight_decay != 0.0).then_some((1.0 - lr * weight_decay) as f32),
+            one_minus_b1: (1.0 - b1) as f32,
+            b2: b2 as f32,
+            one_minus_b2: (1.0 - b2) as f32,
+            sqrt_bias_correction2: bias_correction2.sqrt() as f32,
+            eps: eps as f32,
+            step_size: step_size as f32,
+        };
+        let (p, moments) = match fused::adamw(p, &g, state.map(|s| (s.exp_avg, s.exp_avg_sq)), &scalars) {
+            Ok([p, exp_avg, exp_avg_sq]) => {
+                self.state.insert(id, AdamState { step, exp_avg, exp_avg_sq });
+                return p.reshape(shape);
+            }
+            Err(generic) => generic,
+        };
+        let (exp_avg, exp_avg_sq) = moments.unwrap_or_else(|| (g.zeros_like(), g.zeros_like()));
+        let p = if weight_decay != 0.0 { p.mul_scalar(1.0 - lr * weight_decay) } else { p };
+        let m = exp_avg.clone() + (g.clone() - exp_avg).mul_scalar(1.0 - b1);
+        let v = exp_avg_sq.mul_scalar(b2) + g.clone().mul(g).mul_scalar(1.0 - b2);
         let denom = v.clone().sqrt().div_scalar(bias_correction2.sqrt()).add_scalar(eps);
         let p = p - m.clone().div(denom).mul_scalar(step_size);
         self.state.insert(id, AdamState { step, exp_avg: m, exp_avg_sq: v });

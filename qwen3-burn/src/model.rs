@@ -102,6 +102,12 @@ impl<B: Backend> Embedding<B> {
 /// (`emb = cat(freqs, freqs)`), applied as `x·cos + rotate_half(x)·sin` with
 /// `rotate_half(x) = cat(-x₂, x₁)`. Angles are formed in fp32 as HF does, then
 /// `cos`/`sin` are taken in f64 and rounded once.
+///
+/// The rotation is applied in the projections' own layout, `[batch, len, heads, head_dim]`
+/// (before heads are moved in front of positions), where both operands of every element-wise
+/// product are contiguous: the table, repeated over heads, is one row broadcast over the batch.
+/// On a CPU backend this avoids walking a transposed tensor element by element, forward and
+/// backward; the values are the same in any layout.
 #[derive(Debug, Clone)]
 pub struct Rope<B: Backend> {
     cos: Tensor<B, 4>,
@@ -109,7 +115,7 @@ pub struct Rope<B: Backend> {
 }
 
 impl<B: Backend> Rope<B> {
-    /// Builds the `[1, 1, len, head_dim]` tables.
+    /// Builds the `[1, len, 1, head_dim]` tables.
     pub fn new(head_dim: usize, theta: f64, offset: usize, len: usize, device: &B::Device) -> Self {
         let half = head_dim / 2;
         let inv_freq: Vec<f32> = (0..half)
@@ -127,24 +133,30 @@ impl<B: Backend> Rope<B> {
                 sin.push(angle.sin() as f32);
             }
         }
-        let shape = [1, 1, len, head_dim];
+        let shape = [1, len, 1, head_dim];
         Self {
             cos: Tensor::from_data(TensorData::new(cos, shape), device),
             sin: Tensor::from_data(TensorData::new(sin, shape), device),
         }
     }
 
-    /// Rotates `x` of shape `[batch, heads, len, head_dim]`.
+    /// Rotates `x` of shape `[batch, len, heads, head_dim]`.
+    ///
+    /// # Shapes
+    /// - `x`: `[batch, len, heads, head_dim]` (the tables' `len` and `head_dim`)
+    /// - output: the same
     pub fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let dtype = x.dtype();
-        let [b, h, t, d] = x.dims();
+        let [b, t, h, d] = x.dims();
         let half = d / 2;
         let x1 = x.clone().narrow(3, 0, half);
         let x2 = x.clone().narrow(3, half, half);
         let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
-        let cos = self.cos.clone().cast(dtype).expand([b, h, t, d]);
-        let sin = self.sin.clone().cast(dtype).expand([b, h, t, d]);
-        x * cos + rotated * sin
+        // One row of `len · heads · head_dim` values, broadcast over the batch.
+        let row =
+            |table: &Tensor<B, 4>| table.clone().cast(dtype).expand([1, t, h, d]).reshape([1, t * h * d]);
+        let flat = |y: Tensor<B, 4>| y.reshape([b, t * h * d]);
+        (flat(x) * row(&self.cos) + flat(rotated) * row(&self.sin)).reshape([b, t, h, d])
     }
 }
 
@@ -250,11 +262,10 @@ impl<B: Backend> Attention<B> {
         let heads = self.q_proj.weight.dims()[0] / hd;
         let kv_heads = self.k_proj.weight.dims()[0] / hd;
         let split = |y: Tensor<B, 3>, n: usize| y.reshape([b, t, n, hd]);
-        let q = self.q_norm.forward(split(self.q_proj.forward(x.clone()), heads)).swap_dims(1, 2);
-        let k = self.k_norm.forward(split(self.k_proj.forward(x.clone()), kv_heads)).swap_dims(1, 2);
+        let q = rope.apply(self.q_norm.forward(split(self.q_proj.forward(x.clone()), heads))).swap_dims(1, 2);
+        let k =
+            rope.apply(self.k_norm.forward(split(self.k_proj.forward(x.clone()), kv_heads))).swap_dims(1, 2);
         let v = split(self.v_proj.forward(x), kv_heads).swap_dims(1, 2);
-        let q = rope.apply(q);
-        let k = rope.apply(k);
         let past = cache.as_ref().map_or(0, |(c, layer)| c.len_of(*layer));
         let (k, v) = match cache {
             Some((c, layer)) => c.append(layer, k, v),

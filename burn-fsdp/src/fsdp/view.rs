@@ -200,41 +200,69 @@ impl ParamView {
     }
 }
 
-/// The views on NdArray, whose `slice`, `reshape` and `cat` each copy their result: there the
-/// generic [`ParamView::cut`] costs a zero fill and three copies of the parameter (slice,
-/// reshape, assign), and its backward as many. On NdArray tensors of `f32`/`f64` in standard
-/// layout the pieces are copied once, straight between the buffers' memory, and the result is
-/// handed to the backend without a further copy (`from_data` keeps an owned `Vec`). Every
-/// other backend, dtype or layout takes the generic path; both give the same bits (the
-/// tests run the views on NdArray and on Flex against Burn's own narrow path).
+/// The views on the CPU backends, NdArray and Flex. Their generic path is slow there: NdArray's
+/// `slice`, `reshape` and `cat` each copy their result, so [`ParamView::cut`] would cost a zero
+/// fill and three copies of the parameter (slice, reshape, assign), and its backward as many;
+/// Flex's `slice_assign` copies its whole destination on every call (its copy-on-write sees
+/// the destination shared with itself), so writing a unit's gradients that way costs one copy
+/// of the unit's buffer per parameter and rank. On NdArray and Flex tensors of `f32`/`f64` in
+/// standard layout the pieces are copied once, straight between the buffers' memory, and the
+/// result is handed to the backend without a further copy (`from_data` keeps an owned `Vec`);
+/// the gradient buffer is written in place when nothing else holds it. Every other backend,
+/// dtype or layout takes the generic path; both give the same bits (the tests run the views on
+/// both paths against Burn's own narrow path).
 mod host {
     use std::any::Any;
 
+    use burn::backend::flex::FlexTensor;
     use burn::backend::ndarray::{NdArrayTensor, SharedArray};
     use burn::tensor::backend::Backend;
     use burn::tensor::ops::FloatTensor;
-    use burn::tensor::{Element, TensorData};
+    use burn::tensor::{DType, Element, Shape, TensorData};
 
     use super::ParamView;
+    use crate::downcast::{cast, must};
 
-    /// `value` as type `T` when it is one (moved, not copied); else `value` back.
-    fn cast<S: 'static, T: 'static>(value: S) -> Result<T, S> {
-        let mut slot = Some(value);
-        match (&mut slot as &mut dyn Any).downcast_mut::<Option<T>>() {
-            Some(t) => Ok(t.take().expect("the slot was just filled")),
-            None => Err(slot.expect("the slot is still filled")),
+    #[cfg(test)]
+    thread_local! {
+        /// Tests set this to send this thread's views down the generic path.
+        pub(super) static GENERIC_ONLY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    /// Whether the host paths may be taken (always, outside tests).
+    fn enabled() -> bool {
+        #[cfg(test)]
+        if GENERIC_ONLY.with(|g| g.get()) {
+            return false;
+        }
+        true
+    }
+
+    /// A tensor's elements in logical order, borrowed from its memory.
+    enum Elements<'a> {
+        F32(&'a [f32]),
+        F64(&'a [f64]),
+    }
+
+    /// The elements of an NdArray or Flex tensor of `f32`/`f64` in standard layout, or `None`.
+    fn elements<B: Backend>(t: &FloatTensor<B>) -> Option<Elements<'_>> {
+        let any = t as &dyn Any;
+        if let Some(t) = any.downcast_ref::<NdArrayTensor>() {
+            return match t {
+                NdArrayTensor::F32(s) => s.view().to_slice().map(Elements::F32),
+                NdArrayTensor::F64(s) => s.view().to_slice().map(Elements::F64),
+                _ => None,
+            };
+        }
+        let t = any.downcast_ref::<FlexTensor>()?;
+        match t.dtype() {
+            DType::F32 => t.as_slice::<f32>().map(Elements::F32),
+            DType::F64 => t.as_slice::<f64>().map(Elements::F64),
+            _ => None,
         }
     }
 
-    /// `value` as type `T`, which the caller has checked it is.
-    fn must<S: 'static, T: 'static>(value: S, checked: &str) -> T {
-        match cast(value) {
-            Ok(t) => t,
-            Err(_) => unreachable!("{checked}"),
-        }
-    }
-
-    /// The parameter's value out of NdArray's gathered buffer, or `None` (generic path).
+    /// The parameter's value out of the gathered buffer's memory, or `None` (generic path).
     pub(super) fn cut<B: Backend>(
         view: &ParamView,
         gathered: &FloatTensor<B>,
@@ -250,16 +278,13 @@ mod host {
             }
             out
         }
-        let data = match (gathered as &dyn Any).downcast_ref::<NdArrayTensor>()? {
-            NdArrayTensor::F32(s) => TensorData::new(
-                pieces(view, s.view().as_slice()?, world, unit_len),
-                view.param.global_shape.clone(),
-            ),
-            NdArrayTensor::F64(s) => TensorData::new(
-                pieces(view, s.view().as_slice()?, world, unit_len),
-                view.param.global_shape.clone(),
-            ),
-            _ => return None,
+        if !enabled() {
+            return None;
+        }
+        let shape = view.param.global_shape.clone();
+        let data = match elements::<B>(gathered)? {
+            Elements::F32(s) => TensorData::new(pieces(view, s, world, unit_len), shape),
+            Elements::F64(s) => TensorData::new(pieces(view, s, world, unit_len), shape),
         };
         Some(B::float_from_data(data, &B::float_device(gathered)))
     }
@@ -267,7 +292,7 @@ mod host {
     /// A gradient and the gradient buffer so far, handed back for the generic path.
     type Generic<B> = (FloatTensor<B>, Option<FloatTensor<B>>);
 
-    /// [`ParamView::write_into`](super::ParamView) on NdArray, or its arguments back.
+    /// [`ParamView::write_into`](super::ParamView) on NdArray or Flex, or its arguments back.
     pub(super) fn write_into<B: Backend>(
         view: &ParamView,
         grad: FloatTensor<B>,
@@ -275,6 +300,22 @@ mod host {
         world: usize,
         unit_len: usize,
     ) -> Result<FloatTensor<B>, Generic<B>> {
+        if !enabled() {
+            return Err((grad, buffer));
+        }
+        let grad = match cast::<FloatTensor<B>, FlexTensor>(grad) {
+            Ok(g) => {
+                let buffer =
+                    buffer.map(|b| must::<FloatTensor<B>, FlexTensor>(b, "B's float tensor is FlexTensor"));
+                return match flex_write(view, &g, buffer, world, unit_len) {
+                    Ok(written) => Ok(must(written, "B's float tensor is FlexTensor")),
+                    Err(buffer) => {
+                        Err((must(g, "B's float tensor is FlexTensor"), buffer.map(|b| must(b, "ditto"))))
+                    }
+                };
+            }
+            Err(grad) => grad,
+        };
         let fits = match (
             (&grad as &dyn Any).downcast_ref(),
             buffer.as_ref().map(|b| (b as &dyn Any).downcast_ref()),
@@ -294,34 +335,66 @@ mod host {
         let buffer: Option<NdArrayTensor> = buffer.map(|b| must(b, "checked above: an NdArray buffer"));
         // The gradient's rows written into the buffer (or a fresh one), as tensor `$dtype`.
         macro_rules! placed {
-            ($dtype:ident, $grad:expr, $buffer:expr) => {{
+            ($dtype:ident, $grad:expr, $buffer:expr, $zero:expr) => {{
                 let src = $grad.view();
                 let src = src.as_slice().expect("checked above: standard layout");
-                NdArrayTensor::$dtype(place(view, src, $buffer, world, unit_len).into())
+                let mut buffer =
+                    $buffer.unwrap_or_else(|| SharedArray::from_elem(vec![world * unit_len], $zero));
+                place(view, src, buffer.as_slice_mut().expect("a flat buffer is contiguous"), world);
+                NdArrayTensor::$dtype(buffer.into())
             }};
         }
         let written = match (grad, buffer) {
-            (NdArrayTensor::F32(g), None) => placed!(F32, g, None),
-            (NdArrayTensor::F32(g), Some(NdArrayTensor::F32(b))) => placed!(F32, g, Some(b.into_owned())),
-            (NdArrayTensor::F64(g), None) => placed!(F64, g, None),
-            (NdArrayTensor::F64(g), Some(NdArrayTensor::F64(b))) => placed!(F64, g, Some(b.into_owned())),
+            (NdArrayTensor::F32(g), None) => placed!(F32, g, None, 0f32),
+            (NdArrayTensor::F32(g), Some(NdArrayTensor::F32(b))) => {
+                placed!(F32, g, Some(b.into_owned()), 0f32)
+            }
+            (NdArrayTensor::F64(g), None) => placed!(F64, g, None, 0f64),
+            (NdArrayTensor::F64(g), Some(NdArrayTensor::F64(b))) => {
+                placed!(F64, g, Some(b.into_owned()), 0f64)
+            }
             _ => unreachable!("checked above: an f32 or f64 gradient and buffer of its dtype"),
         };
         Ok(must(written, "checked above: B's float tensor is NdArrayTensor"))
     }
 
-    /// Writes each rank's rows of `src` (a parameter's gradient) into its place of `buffer` (a fresh zero buffer of
-    /// `world · unit_len` when `None`): one copy, in place when the buffer is not shared.
-    fn place<E: Element>(
+    /// [`write_into`] on Flex: the gradient (standard layout) written into the buffer's memory,
+    /// in place when the buffer is not shared (copy-on-write otherwise), or the buffer back.
+    fn flex_write(
         view: &ParamView,
-        src: &[E],
-        buffer: Option<SharedArray<E>>,
+        grad: &FlexTensor,
+        buffer: Option<FlexTensor>,
         world: usize,
         unit_len: usize,
-    ) -> SharedArray<E> {
-        let mut buffer =
-            buffer.unwrap_or_else(|| SharedArray::<E>::from_elem(vec![world * unit_len], E::from_elem(0.0)));
-        let dst = buffer.as_slice_mut().expect("a flat buffer is contiguous");
+    ) -> Result<FlexTensor, Option<FlexTensor>> {
+        fn typed<E: Element + bytemuck::Pod>(
+            view: &ParamView,
+            src: &[E],
+            buffer: Option<FlexTensor>,
+            world: usize,
+            unit_len: usize,
+        ) -> Result<FlexTensor, Option<FlexTensor>> {
+            let n = world * unit_len;
+            let mut buffer = buffer.unwrap_or_else(|| FlexTensor::zeros(Shape::new([n]), E::dtype()));
+            // A flat buffer of `n` elements of E from the start of its memory, as made above
+            // or by an earlier view of the unit.
+            if buffer.dtype() != E::dtype() || buffer.layout().contiguous_offsets() != Some((0, n)) {
+                return Err(Some(buffer));
+            }
+            place(view, src, &mut buffer.storage_mut::<E>()[..n], world);
+            Ok(buffer)
+        }
+        match elements::<burn::backend::Flex>(grad) {
+            Some(Elements::F32(src)) => typed(view, src, buffer, world, unit_len),
+            Some(Elements::F64(src)) => typed(view, src, buffer, world, unit_len),
+            None => Err(buffer),
+        }
+    }
+
+    /// Writes each rank's rows of `src` (a parameter's gradient) into their places of `dst`
+    /// (the unit's gradient buffer, `world · unit_len`).
+    fn place<E: Copy>(view: &ParamView, src: &[E], dst: &mut [E], world: usize) {
+        let unit_len = dst.len() / world;
         for r in 0..world {
             let rows = view.elements_of(r);
             if rows.is_empty() {
@@ -330,7 +403,6 @@ mod host {
             let start = r * unit_len + view.offset;
             dst[start..start + rows.len()].copy_from_slice(&src[rows]);
         }
-        buffer
     }
 }
 
@@ -409,7 +481,6 @@ mod tests {
     use burn::backend::{Flex, NdArray};
     use burn::module::ParamId;
     use burn::tensor::backend::AutodiffBackend;
-    use burn::tensor::ops::FloatTensorOps;
     use burn::tensor::{Distribution, Tensor, TensorPrimitive};
 
     /// The gathered buffer's gradient through the views equals, bit for bit, the one through
@@ -486,24 +557,36 @@ mod tests {
         }
     }
 
-    /// Flex takes the generic path (NdArray the host one): the same bits as the narrow path.
+    /// Runs `f` with this thread's views sent down the generic path.
+    fn generic_only(f: impl FnOnce()) {
+        host::GENERIC_ONLY.with(|g| g.set(true));
+        f();
+        host::GENERIC_ONLY.with(|g| g.set(false));
+    }
+
+    /// Flex on its host path, and both backends on the generic path: the same bits as the
+    /// narrow path.
     #[test]
-    fn views_match_narrow_on_the_generic_path() {
+    fn views_match_narrow_on_flex_and_on_the_generic_path() {
         for (leaf, recompute) in [(false, false), (true, false), (false, true), (true, true)] {
             views_match_narrow::<Autodiff<Flex, NoCheckpointing>>(leaf, recompute);
             views_match_narrow::<Autodiff<Flex, BalancedCheckpointing>>(leaf, recompute);
+            generic_only(|| {
+                views_match_narrow::<Autodiff<NdArray, NoCheckpointing>>(leaf, recompute);
+                views_match_narrow::<Autodiff<Flex, NoCheckpointing>>(leaf, recompute);
+                views_match_narrow::<Autodiff<Flex, BalancedCheckpointing>>(leaf, recompute);
+            });
         }
     }
 
-    /// NdArray's host path and the generic path give the same parameter and the same gradient
+    /// The host path and the generic path give the same parameter and the same gradient
     /// buffer, bit for bit, with padding (world 3, 7 rows) and without (world 1), for a fresh
-    /// buffer and one another view has written; Flex's tensors are left to the generic path.
-    #[test]
-    fn host_path_equals_generic_path() {
-        type T = FloatTensor<NdArray>;
+    /// buffer and one another view has written.
+    fn host_path_equals_generic_path<B: Backend>() {
+        type T<B> = FloatTensor<B>;
         let device = Default::default();
-        let data = |t: T| Tensor::<NdArray, 1>::from_primitive(TensorPrimitive::Float(t)).into_data();
-        let flat = |t: T| Tensor::<NdArray, 2>::from_primitive(TensorPrimitive::Float(t)).reshape([-1]);
+        let data = |t: T<B>| Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t)).into_data();
+        let flat = |t: T<B>| Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(t)).reshape([-1]);
         for world in [1, 3] {
             let param = ShardedParam::new(ParamId::new(), "p".into(), vec![7, 5], world);
             let other = ShardedParam::new(ParamId::new(), "q".into(), vec![2], world);
@@ -511,41 +594,66 @@ mod tests {
             let (view, other) = (ParamView::of(&param, other.shard_numel()), ParamView::of(&other, 0));
             let random = |shape: Vec<usize>| {
                 let n = shape.iter().product::<usize>();
-                let t = Tensor::<NdArray, 1>::random([n], Distribution::Normal(0.0, 1.0), &device);
-                <NdArray as FloatTensorOps<NdArray>>::float_reshape(
-                    t.into_primitive().tensor(),
-                    Shape::from(shape),
-                )
+                let t = Tensor::<B, 1>::random([n], Distribution::Normal(0.0, 1.0), &device);
+                B::float_reshape(t.into_primitive().tensor(), Shape::from(shape))
             };
             let gathered = random(vec![world * unit_len]);
             let host =
-                host::cut::<NdArray>(&view, &gathered, world, unit_len).expect("an NdArray f32 tensor");
-            let generic = view.cut_generic::<NdArray>(gathered.clone(), world, unit_len);
+                host::cut::<B>(&view, &gathered, world, unit_len).expect("an f32 tensor: the host path");
+            let generic = view.cut_generic::<B>(gathered.clone(), world, unit_len);
             assert_eq!(flat(host).into_data(), flat(generic).into_data(), "world {world}: cut");
 
             let grad = random(vec![7, 5]);
             let other_grad = random(vec![2]);
             let first = |host: bool| match host {
-                true => host::write_into::<NdArray>(&other, other_grad.clone(), None, world, unit_len).ok(),
-                false => Some(other.write_generic::<NdArray>(other_grad.clone(), None, world, unit_len)),
+                true => host::write_into::<B>(&other, other_grad.clone(), None, world, unit_len).ok(),
+                false => Some(other.write_generic::<B>(other_grad.clone(), None, world, unit_len)),
             };
             for buffer in [false, true] {
                 let buffer_host = buffer.then(|| first(true).expect("the host path"));
                 let buffer_generic = buffer.then(|| first(false).expect("the generic path"));
-                let Ok(host) = host::write_into::<NdArray>(&view, grad.clone(), buffer_host, world, unit_len)
+                let Ok(host) = host::write_into::<B>(&view, grad.clone(), buffer_host, world, unit_len)
                 else {
-                    panic!("world {world}: an NdArray f32 gradient left to the generic path")
+                    panic!("world {world}: an f32 gradient left to the generic path")
                 };
-                let generic = view.write_generic::<NdArray>(grad.clone(), buffer_generic, world, unit_len);
+                let generic = view.write_generic::<B>(grad.clone(), buffer_generic, world, unit_len);
                 assert_eq!(data(host), data(generic), "world {world}: gradient (other view first: {buffer})");
             }
+            // A transposed gradient (not in standard layout) is left to the generic path.
+            let transposed = B::float_swap_dims(random(vec![5, 7]), 0, 1);
+            assert!(host::write_into::<B>(&view, transposed, None, world, unit_len).is_err());
         }
-        let flex: FloatTensor<Flex> =
-            Tensor::<Flex, 1>::random([8], Distribution::Normal(0.0, 1.0), &Default::default())
-                .into_primitive()
-                .tensor();
-        let view = ParamView::of(&ShardedParam::new(ParamId::new(), "f".into(), vec![8], 1), 0);
-        assert!(host::cut::<Flex>(&view, &flex, 1, 8).is_none());
-        assert!(host::write_into::<Flex>(&view, flex, None, 1, 8).is_err());
+    }
+
+    #[test]
+    fn host_path_equals_generic_path_on_ndarray_and_flex() {
+        host_path_equals_generic_path::<NdArray>();
+        host_path_equals_generic_path::<Flex>();
+    }
+
+    /// Flex's gradient buffer is written in place when nothing else holds it, and copied
+    /// (copy-on-write) when something does: the other holder keeps its values.
+    #[test]
+    fn flex_buffer_written_in_place_only_when_unshared() {
+        let device = Default::default();
+        let view = ParamView::of(&ShardedParam::new(ParamId::new(), "f".into(), vec![4], 1), 0);
+        let tensor = |v: [f32; 4]| Tensor::<Flex, 1>::from_floats(v, &device).into_primitive().tensor();
+        let values = |t: &FloatTensor<Flex>| {
+            Tensor::<Flex, 1>::from_primitive(TensorPrimitive::Float(t.clone()))
+                .to_data()
+                .to_vec::<f32>()
+                .expect("f32 values")
+        };
+        let buffer = tensor([0.0; 4]);
+        let held = buffer.clone();
+        let written = host::write_into::<Flex>(&view, tensor([1.0, 2.0, 3.0, 4.0]), Some(buffer), 1, 4)
+            .expect("the host path");
+        assert_eq!(values(&held), vec![0.0; 4], "a shared buffer is copied, not written");
+        assert_eq!(values(&written), vec![1.0, 2.0, 3.0, 4.0]);
+        let at = written.bytes().as_ptr() as usize;
+        let again = host::write_into::<Flex>(&view, tensor([5.0, 6.0, 7.0, 8.0]), Some(written), 1, 4)
+            .expect("the host path");
+        assert_eq!(again.bytes().as_ptr() as usize, at, "an unshared buffer is written in place");
+        assert_eq!(values(&again), vec![5.0, 6.0, 7.0, 8.0]);
     }
 }
