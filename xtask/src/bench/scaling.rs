@@ -9,6 +9,9 @@
 //! - the same two figures for PyTorch FSDP2 (gloo, one process and one thread per rank, each
 //!   pinned to its core) when PyTorch is present, and Burn against PyTorch tokens/s per core.
 //!
+//! Every run, Burn's and PyTorch's, is a fresh process (`bench --scaling-worker`,
+//! `torch_bench.py`) pinned by this one: no run inherits another's heap or threads.
+//!
 //! The model is the ~29M-parameter Qwen3 of issue #19 (hidden 512, 8 layers, vocab 8192),
 //! 4 rows × 128 tokens per rank and step; Burn's side runs on `bench --cpu-backend` (Flex by
 //! default, as `train-qwen3`), every one of its runs on the same backend.
@@ -166,11 +169,20 @@ pub fn figures(steps: usize, backend: CpuBackend, python: Result<&Path, &str>) -
     let mut figures = Vec::new();
     let core0 = *cores.first().context("sched_getaffinity allowed no core")?;
 
-    // FSDP at W = 1 against --no-fsdp, on one core, alternated.
-    let on_core0 = |world| {
-        pinned(&[core0], || train_throughput(&config, world, ROWS, SEQ, steps, &backend))
-            .map(|t| t.tokens_per_sec)
+    // Every Burn run is a fresh process (as every PyTorch run is), pinned by its parent.
+    let exe = std::env::current_exe()?;
+    let worker = |world: Option<usize>| {
+        let mut c = Command::new(&exe);
+        c.args(["bench", "--scaling-worker", "--steps", &steps.to_string()]).args(backend);
+        if let Some(w) = world {
+            c.args(["--world", &w.to_string()]);
+        }
+        c
     };
+    let figure = |child: Result<Child>| read_figure(child?, "tokens_per_sec");
+
+    // FSDP at W = 1 against --no-fsdp, on one core, alternated.
+    let on_core0 = |world| figure(spawn_pinned(worker(world), core0));
     let (single, w1) = alternated(|| on_core0(None), || on_core0(Some(1)))?;
     println!(
         "  one core: single device {single:.1} tokens/s, FSDP W=1 {w1:.1} tokens/s (mean of two alternated runs each)"
@@ -181,21 +193,12 @@ pub fn figures(steps: usize, backend: CpuBackend, python: Result<&Path, &str>) -
     let two = cores.len() >= 2;
     if two {
         let pair = [cores[0], cores[1]];
-        let exe = std::env::current_exe()?;
-        let worker = || {
-            let mut c = Command::new(&exe);
-            c.args(["bench", "--scaling-worker", "--steps", &steps.to_string()]).args(backend);
-            c
-        };
         let (independent, w2) = alternated(
             || {
-                let children = [spawn_pinned(worker(), pair[0])?, spawn_pinned(worker(), pair[1])?];
+                let children = [spawn_pinned(worker(None), pair[0])?, spawn_pinned(worker(None), pair[1])?];
                 children.into_iter().map(|c| read_figure(c, "tokens_per_sec")).sum()
             },
-            || {
-                pinned(&pair, || train_throughput(&config, Some(2), 2 * ROWS, SEQ, steps, &backend))
-                    .map(|t| t.tokens_per_sec)
-            },
+            || figure(pinned(&pair, || spawn(worker(Some(2))))),
         )?;
         println!(
             "  two cores: two independent single-device processes, one per core, {independent:.1} tokens/s in sum; \
@@ -231,7 +234,13 @@ pub fn figures(steps: usize, backend: CpuBackend, python: Result<&Path, &str>) -
                 "  [pytorch] one core: single device {t_single:.1} tokens/s, FSDP2 W=1 {t_w1:.1} tokens/s"
             );
             figures.push(("torch_fsdp_w1_vs_single".into(), t_w1 / t_single));
-            figures.push(("burn_vs_torch_tokens_per_sec_per_core".into(), single / t_single));
+            // Burn against PyTorch on the same core, alternated with each other.
+            let (burn, torch_single) = alternated(|| on_core0(None), || read_figure(run(&[], core0)?, key))?;
+            println!(
+                "  one core: Burn single device {burn:.1} tokens/s, PyTorch single device {torch_single:.1} tokens/s \
+                 (alternated)"
+            );
+            figures.push(("burn_vs_torch_tokens_per_sec_per_core".into(), burn / torch_single));
             if two {
                 let children = [run(&[], cores[0])?, run(&[], cores[1])?];
                 let independent: f64 =
