@@ -305,13 +305,12 @@ mod host {
         }
         let grad = match cast::<FloatTensor<B>, FlexTensor>(grad) {
             Ok(g) => {
-                let buffer =
-                    buffer.map(|b| must::<FloatTensor<B>, FlexTensor>(b, "B's float tensor is FlexTensor"));
+                // B is Flex: its float tensors (the buffer, the result) are FlexTensor.
+                const FLEX: &str = "the gradient is a FlexTensor, so B's float tensor is";
+                let buffer = buffer.map(|b| must::<FloatTensor<B>, FlexTensor>(b, FLEX));
                 return match flex_write(view, &g, buffer, world, unit_len) {
-                    Ok(written) => Ok(must(written, "B's float tensor is FlexTensor")),
-                    Err(buffer) => {
-                        Err((must(g, "B's float tensor is FlexTensor"), buffer.map(|b| must(b, "ditto"))))
-                    }
+                    Ok(written) => Ok(must(written, FLEX)),
+                    Err(buffer) => Err((must(g, FLEX), buffer.map(|b| must(b, FLEX)))),
                 };
             }
             Err(grad) => grad,
