@@ -10,10 +10,10 @@
 # STATUS (stop 35, issue #15 open): the GPU detection, the per-step timeouts, logs and report,
 # and the comparison with the PyTorch fixtures are written and were run here on CPU (no GPU:
 # exit 2 at once; a stand-in `nvidia-smi` and a pack holding the CPU build: every step ran and
-# failed as it should). Not yet: `cargo xtask gpu-pack` (so without a pack steps 2-4 are
-# "skipped: no pack"), and `train-qwen3 --device cuda-proxy` with in-process ranks (it asks for
-# --launcher env today, so the three Qwen3 steps fail until it has them). Nothing here has run
-# on a GPU.
+# failed as it should). `train-qwen3 --device cuda-proxy` now trains in this process on GPU 0
+# (`--no-fsdp`, or FSDP ranks sharing it with host collectives; built, not yet run on a GPU).
+# Not yet: `cargo xtask gpu-pack` (so without a pack steps 2-4 are "skipped: no pack").
+# Nothing here has run on a GPU.
 set -uo pipefail
 PACK="${1:-./gpu-pack}"
 OUT_DIR="${2:-${OUT:-./gpu-out}}"

@@ -166,7 +166,9 @@ pub struct TrainArgs {
     /// Where each rank computes: `cpu` (burn's Flex or NdArray: `--cpu-backend`); `metax-emu`, the emulated
     /// MetaX device (in-process ranks, one emulated device each, or `--no-fsdp`); or one GPU
     /// per process with device collectives: `metax` (MCCL) or `cuda-proxy` (NCCL; xtask built
-    /// with `--features cuda`). GPUs need `--launcher env` (the GPU is `LOCAL_RANK`).
+    /// with `--features cuda`), under `--launcher env` (the GPU is `LOCAL_RANK`). `cuda-proxy`
+    /// also runs in this process on GPU 0 (`--no-fsdp`, or in-process ranks sharing it with
+    /// host collectives; xtask built with `--features cuda-proxy`).
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     pub device: DeviceKind,
     /// The Burn backend of `--device cpu` in fp32: `flex` (burn's Flex: matrix products by the
@@ -211,7 +213,8 @@ pub enum DeviceKind {
     Cpu,
     /// A MetaX GPU per process, MCCL collectives on device buffers.
     Metax,
-    /// An NVIDIA GPU per process through the MetaX runtime's CUDA proxy, NCCL collectives.
+    /// An NVIDIA GPU through the MetaX runtime's CUDA proxy: one per process with NCCL
+    /// collectives (`--launcher env`), or GPU 0 shared by in-process ranks (host collectives).
     CudaProxy,
     /// The emulated MetaX device (the MetaX backend's kernels compiled by the host C++ compiler
     /// and run on the CPU at wave size 64): each in-process rank on its own emulated device,

@@ -79,8 +79,9 @@ pub fn regathers(args: &TrainArgs, shard_world: usize) -> bool {
     options.regathers(shard_world)
 }
 
-/// Single-device training: the reference every FSDP run is compared with. On the CPU (NdArray),
-/// or on emulated MetaX device 0 with `--device metax-emu`.
+/// Single-device training: the reference every FSDP run is compared with. On the CPU
+/// (`--cpu-backend`), on emulated MetaX device 0 with `--device metax-emu`, or on GPU 0 with
+/// `--device cuda-proxy` (xtask built with `cuda-proxy`).
 pub fn train_single(args: &TrainArgs, setup: Setup, sink: &MetricsSink) -> Result<Vec<StepMetrics>> {
     let options = setup_options(args, &setup)?;
     let Setup { config, model, batches, .. } = &setup;
@@ -88,6 +89,13 @@ pub fn train_single(args: &TrainArgs, setup: Setup, sink: &MetricsSink) -> Resul
         DeviceKind::MetaxEmu => {
             let single = Parallelism::Single(MetaxEmuDevice::new(0));
             trainer::train::<MetaxEmu>(single, config, model, batches, &options, sink)?
+        }
+        #[cfg(feature = "cuda-proxy")]
+        DeviceKind::CudaProxy => {
+            let single = Parallelism::Single(burn_metax_backend::CudaProxyDevice { index: 0 });
+            trainer::train::<burn_metax_backend::CudaProxy<f32>>(
+                single, config, model, batches, &options, sink,
+            )?
         }
         _ if args.cpu_backend == CpuBackend::Flex => {
             let single = Parallelism::Single(Default::default());

@@ -122,13 +122,25 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
     if args.dry_run && args.launcher == Launcher::Local {
         bail!("--dry-run prints the command lines of --launcher mpi or env; add one of them");
     }
-    if matches!(args.device, DeviceKind::Metax | DeviceKind::CudaProxy)
-        && (args.launcher != Launcher::Env || args.no_fsdp)
+    if args.device == DeviceKind::Metax && (args.launcher != Launcher::Env || args.no_fsdp) {
+        bail!(
+            "--device metax runs one FSDP rank per GPU process with device collectives: use --launcher env \
+             (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR; the GPU is LOCAL_RANK)"
+        );
+    }
+    // CUDA proxy: one process per GPU with NCCL (`--launcher env`), or in this process on GPU 0
+    // (`--no-fsdp`, or FSDP over in-process ranks sharing it, host collectives).
+    if args.device == DeviceKind::CudaProxy && args.launcher == Launcher::Mpi {
+        bail!(
+            "--device cuda-proxy runs under --launcher env (one process per GPU) or in-process (no --launcher)"
+        );
+    }
+    if args.device == DeviceKind::CudaProxy
+        && args.launcher == Launcher::Local
+        && !cfg!(feature = "cuda-proxy")
     {
         bail!(
-            "--device {} runs one FSDP rank per GPU process with device collectives: use --launcher env \
-             (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR; the GPU is LOCAL_RANK)",
-            args.device.name()
+            "--device cuda-proxy needs xtask built with `--features cuda-proxy` (the CUDA driver through cudarc)"
         );
     }
     if args.device == DeviceKind::MetaxEmu {
@@ -215,6 +227,12 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
         (false, precision, Some(m)) => m.train(args, setup, &sink, precision)?,
         (false, _, None) if args.device == DeviceKind::MetaxEmu => {
             train_fsdp_on::<MetaxEmu>(args, setup, &sink, MetaxEmuDevice::new)?
+        }
+        #[cfg(feature = "cuda-proxy")]
+        (false, _, None) if args.device == DeviceKind::CudaProxy => {
+            // Every in-process rank on GPU 0, host collectives.
+            let gpu0 = burn_metax_backend::CudaProxyDevice { index: 0 };
+            train_fsdp_on::<burn_metax_backend::CudaProxy<f32>>(args, setup, &sink, |_| gpu0)?
         }
         (false, _, None) => train_fsdp_cpu(args, setup, &sink)?,
     };
