@@ -79,9 +79,7 @@ pub fn chunked_cross_entropy<B: LossBackend>(
             (rows.clone(), w.clone().slice([rows, 0..d]))
         })
         .collect();
-    // ∂/∂head, one accumulator per block (one `cat` at the end): a `slice_assign` into one
-    // [vocab, hidden] gradient may copy all of it per call (Flex's does).
-    let mut d_head_blocks: Vec<Option<Tensor<B::InnerBackend, 2>>> = vec![None; blocks.len()];
+    let mut d_head = Tensor::<B::InnerBackend, 2>::zeros([v, d], &device).cast(w_dtype);
     for start in (0..n).step_by(chunk) {
         let rows = chunk.min(n - start);
         let h_c = h.clone().narrow(0, start, rows);
@@ -106,28 +104,22 @@ pub fn chunked_cross_entropy<B: LossBackend>(
         let d_logits = (exp / sum).scatter(1, l_c, minus_one, IndexingUpdateOp::Add).div_scalar(n as f64);
         let d_logits = if w_dtype == DType::F32 { d_logits } else { d_logits.cast(w_dtype) };
         let mut d_h: Option<Tensor<B::InnerBackend, 2>> = None;
-        for ((range, w_b), d_head_b) in blocks.iter().zip(&mut d_head_blocks) {
+        for (range, w_b) in &blocks {
             let d_b = d_logits.clone().slice([0..rows, range.clone()]);
             let part = d_b.clone().matmul(w_b.clone());
             d_h = Some(match d_h {
                 Some(acc) => acc + part,
                 None => part,
             });
-            // d_head[block] += d_blockᵀ · h_c (the first chunk's product added to zero, as the
-            // single [vocab, hidden] accumulator did: the same bits).
-            let part = d_b.transpose().matmul(h_c.clone());
-            *d_head_b = Some(match d_head_b.take() {
-                Some(acc) => acc + part,
-                None => Tensor::<B::InnerBackend, 2>::zeros(part.shape(), &device).cast(w_dtype) + part,
-            });
+            // d_head[block] += d_blockᵀ · h_c, in place: the slice is consumed by the
+            // addition, so `d_head` is the assignment's only owner.
+            let ranges = [range.clone(), 0..d];
+            let sum = d_head.clone().slice(ranges.clone()) + d_b.transpose().matmul(h_c.clone());
+            d_head = d_head.slice_assign(ranges, sum);
         }
         d_hidden.push(d_h.expect("the vocabulary has at least one entry"));
     }
     let d_hidden = Tensor::cat(d_hidden, 0);
-    let d_head = Tensor::cat(
-        d_head_blocks.into_iter().map(|b| b.expect("every block is reached by the first chunk")).collect(),
-        0,
-    );
     let d_hidden = if d_hidden.dtype() == h_dtype { d_hidden } else { d_hidden.cast(h_dtype) };
     let value = loss_sum.div_scalar(n as f64);
     let loss = B::precomputed_loss(
