@@ -130,9 +130,12 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
     }
     // CUDA proxy: one process per GPU with NCCL (`--launcher env`), or in this process on GPU 0
     // (`--no-fsdp`, or FSDP over in-process ranks sharing it, host collectives).
-    if args.device == DeviceKind::CudaProxy && args.launcher == Launcher::Mpi {
+    if args.device == DeviceKind::CudaProxy
+        && (args.launcher == Launcher::Mpi || (args.launcher == Launcher::Env && args.no_fsdp))
+    {
         bail!(
-            "--device cuda-proxy runs under --launcher env (one process per GPU) or in-process (no --launcher)"
+            "--device cuda-proxy runs FSDP under --launcher env (one process per GPU), or in this process \
+             (no --launcher: --no-fsdp, or in-process ranks on GPU 0)"
         );
     }
     if args.device == DeviceKind::CudaProxy
