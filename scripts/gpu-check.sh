@@ -3,17 +3,14 @@
 # --out gpu-pack/`) on a bare NVIDIA machine — no Rust, no registry, no internet — each step with
 # its own timeout, ≤ 8 minutes in all, and writes OUT_DIR/gpu-report.json plus one log per step,
 # even when a step fails. Usage: scripts/gpu-check.sh [PACK_DIR] [OUT_DIR]
-#   PACK_DIR  default ./gpu-pack (bin/xtask, fixtures/)     OUT_DIR  default ${OUT:-./gpu-out}
+#   PACK_DIR  default ./gpu-pack (bin/xtask, fixtures/, manifest.json)   OUT_DIR  default ${OUT:-./gpu-out}
 # On a machine without an NVIDIA GPU it exits at once (status 2) with "no GPU" in its message.
 # Status: 0 when every step that ran passed, 1 otherwise. See docs/gpu.md for the fields.
 #
-# STATUS (stop 35, issue #15 open): the GPU detection, the per-step timeouts, logs and report,
-# and the comparison with the PyTorch fixtures are written and were run here on CPU (no GPU:
-# exit 2 at once; a stand-in `nvidia-smi` and a pack holding the CPU build: every step ran and
-# failed as it should). `train-qwen3 --device cuda-proxy` now trains in this process on GPU 0
-# (`--no-fsdp`, or FSDP ranks sharing it with host collectives; built, not yet run on a GPU).
-# Not yet: `cargo xtask gpu-pack` (so without a pack steps 2-4 are "skipped: no pack").
-# Nothing here has run on a GPU.
+# STATUS (stop 36, issue #15): the pack (`cargo xtask gpu-pack`) and every step below were run
+# here on a 2-core CPU machine as far as they go without a GPU: no GPU → exit 2 at once; with a
+# stand-in `nvidia-smi` and the real pack, each step starts from the pack and fails or reports
+# "no device" as it should. Nothing here has run on a GPU yet.
 set -uo pipefail
 PACK="${1:-./gpu-pack}"
 OUT_DIR="${2:-${OUT:-./gpu-out}}"
@@ -115,22 +112,37 @@ step environment 20 bash -c 'nvidia-smi; echo "libcuda: $0"; echo "libnvrtc: $1"
   "${LIBCUDA:-}" "${LIBNVRTC:-}" "${CUDA_INCLUDE:-}"
 
 # ── Steps 2-4: from the pack. ──
+# pack_intact: bin/xtask's SHA-256 is the one manifest.json recorded (a truncated copy fails here,
+# not halfway through a step).
+pack_intact() {
+  local want got
+  want="$(grep -A 2 '"path": "bin/xtask"' "$PACK/manifest.json" | sed -n 's/.*"sha256": *"\([0-9a-f]*\)".*/\1/p')"
+  got="$(sha256sum "$PACK/bin/xtask" | cut -d ' ' -f 1)"
+  echo "bin/xtask sha256 $got (manifest: $want)"
+  [ -n "$want" ] && [ "$want" = "$got" ]
+}
 X="$PACK/bin/xtask"
+GPU_STEPS="conformance conformance-fused qwen3-tiny-single qwen3-tiny-fsdp4 qwen3-tiny-offload qwen3-tiny-fsdp4-burn-cuda throughput"
 if [ ! -x "$X" ]; then
-  for s in conformance qwen3-tiny-single qwen3-tiny-fsdp4 qwen3-tiny-offload throughput; do skip "$s" "no pack ($X)"; done
+  for s in pack $GPU_STEPS; do skip "$s" "no pack ($X): cargo xtask gpu-pack --out $PACK"; done
 else
+  step pack 5 pack_intact
   FIX="$PACK/fixtures/qwen3-tiny-a"
+  tiny() { # NAME TIMEOUT REFERENCE ARGS...: one Qwen3 tiny-a run against a PyTorch trajectory
+    local name="$1" limit="$2" ref="$3"; shift 3
+    step "qwen3-tiny-$name" "$limit" "$X" train-qwen3 "$@" --checkpoint "$FIX" --batches "$FIX/batches.safetensors" \
+      --compare-to "$FIX/$ref" --out-dir "$OUT_DIR/run-$name" --quiet
+  }
   step conformance 90 "$X" conformance --backend cuda-proxy --quiet
-  step qwen3-tiny-single 60 "$X" train-qwen3 --device cuda-proxy --no-fsdp --checkpoint "$FIX" \
-    --batches "$FIX/batches.safetensors" --compare-to "$FIX/single.json" --out-dir "$OUT_DIR/run-single" --quiet
-  step qwen3-tiny-fsdp4 60 "$X" train-qwen3 --device cuda-proxy --world-size 4 --checkpoint "$FIX" \
-    --batches "$FIX/batches.safetensors" --compare-to "$FIX/fsdp4.json" --out-dir "$OUT_DIR/run-fsdp4" --quiet
-  step qwen3-tiny-offload 60 "$X" train-qwen3 --device cuda-proxy --world-size 4 --offload --checkpoint "$FIX" \
-    --batches "$FIX/batches.safetensors" --compare-to "$FIX/fsdp4.json" --out-dir "$OUT_DIR/run-offload" --quiet
-  for run in single fsdp4 offload; do
+  step conformance-fused 45 "$X" conformance --backend cuda-proxy-fused --quiet
+  tiny single 35 single.json --device cuda-proxy --no-fsdp
+  tiny fsdp4 35 fsdp4.json --device cuda-proxy --world-size 4
+  tiny offload 35 fsdp4.json --device cuda-proxy --world-size 4 --offload
+  tiny fsdp4-burn-cuda 35 fsdp4.json --device cuda --world-size 4
+  for run in single fsdp4 offload fsdp4-burn-cuda; do
     step "qwen3-tiny-$run-vs-pytorch" 5 within_tolerance "$OUT_DIR/run-$run/summary.json"
   done
-  step throughput 180 "$X" gpu-bench --preset 0.6b --batch 4 --seq 1024 --steps 5 --out "$OUT_DIR/gpu-bench.txt"
+  step throughput 180 "$X" gpu-bench --preset 0.6b --batch 4 --seq 1024 --steps 3 --out "$OUT_DIR/gpu-bench.txt"
 fi
 
 if [ "$FAILED" = 0 ]; then write_report "passed"; else write_report "failed"; fi

@@ -29,3 +29,18 @@ pub type MetaxDevice = crate::runtime::MacaDevice;
 /// CUDA dialect): the tier-3 stand-in for MetaX hardware.
 #[cfg(feature = "cuda-proxy")]
 pub type CudaProxy<F = f32, I = i32> = CubeBackend<crate::runtime::CudaProxyRuntime, F, I, u8>;
+
+/// [`Metax`] under Burn's kernel fusion (`burn-fusion`): element-wise chains, reductions and
+/// matmul epilogues are fused into kernels generated at run time, as Burn's own CUDA backend
+/// does by default. Feature `fusion`.
+#[cfg(feature = "fusion")]
+pub type MetaxFused<F = f32, I = i32> = burn_fusion::Fusion<Metax<F, I>>;
+
+/// [`MetaxEmu`] under Burn's kernel fusion (feature `fusion`): the fused kernels through the
+/// MACA dialect, run on the CPU.
+#[cfg(feature = "fusion")]
+pub type MetaxEmuFused<F = f32, I = i32> = burn_fusion::Fusion<MetaxEmu<F, I>>;
+
+/// [`CudaProxy`] under Burn's kernel fusion (features `cuda-proxy` and `fusion`).
+#[cfg(all(feature = "cuda-proxy", feature = "fusion"))]
+pub type CudaProxyFused<F = f32, I = i32> = burn_fusion::Fusion<CudaProxy<F, I>>;

@@ -43,7 +43,11 @@ pub mod runtime;
 
 #[cfg(feature = "cuda-proxy")]
 pub use backend::CudaProxy;
+#[cfg(all(feature = "cuda-proxy", feature = "fusion"))]
+pub use backend::CudaProxyFused;
 pub use backend::{Metax, MetaxDevice, MetaxEmu};
+#[cfg(feature = "fusion")]
+pub use backend::{MetaxEmuFused, MetaxFused};
 pub use runtime::{BackendError, MacaDevice, MacaRuntime, MetaxEmuDevice, MetaxEmuRuntime};
 #[cfg(feature = "cuda-proxy")]
 pub use runtime::{CudaProxyDevice, CudaProxyRuntime};

@@ -13,6 +13,9 @@ fn flags_parse() {
         ("flex", ConformanceBackend::Flex),
         ("cuda-proxy", ConformanceBackend::CudaProxy),
         ("metax", ConformanceBackend::Metax),
+        ("metax-emu-fused", ConformanceBackend::MetaxEmuFused),
+        ("cuda-proxy-fused", ConformanceBackend::CudaProxyFused),
+        ("cuda", ConformanceBackend::Cuda),
     ] {
         let a = ConformanceArgs::parse_from_args(&["conformance", "--backend", name, "--filter", "grad/"])
             .unwrap();
@@ -33,7 +36,7 @@ fn unknown_or_missing_backend_names_the_flag() {
 #[test]
 fn gpu_backends_without_a_device_exit_with_their_own_status() {
     // No MACA SDK and no NVIDIA driver on CI machines (skip where one is present).
-    for name in ["metax", "cuda-proxy"] {
+    for name in ["metax", "cuda-proxy", "cuda-proxy-fused", "cuda"] {
         let args = ConformanceArgs::parse_from_args(&["conformance", "--backend", name]).unwrap();
         let status = run(&args).unwrap();
         let Status::Unavailable(line) = &status else {
@@ -51,6 +54,18 @@ fn gpu_backends_without_a_device_exit_with_their_own_status() {
         assert_eq!(status.exit_code(), EXIT_UNAVAILABLE);
         assert_ne!(EXIT_UNAVAILABLE, 1, "distinct from the failure status");
     }
+}
+
+#[test]
+#[cfg(not(feature = "burn-cuda"))]
+fn fused_backends_name_the_build_they_need() {
+    let args = ConformanceArgs::parse_from_args(&["conformance", "--backend", "metax-emu-fused"]).unwrap();
+    let status = run(&args).unwrap();
+    let Status::Unavailable(line) = &status else {
+        panic!("metax-emu-fused ran in a build without burn-cuda")
+    };
+    assert!(line.contains("--features burn-cuda") && line.contains("metax-emu-fused"), "{line}");
+    assert_eq!(status.exit_code(), EXIT_UNAVAILABLE);
 }
 
 #[test]

@@ -372,3 +372,25 @@ fn cuda_proxy_in_process_needs_its_build_and_no_mpi() {
         refused(&["train-qwen3", "--device", "cuda-proxy", "--launcher", "mpi", "--steps", "1", "--quiet"]);
     assert!(e.contains("--launcher env"), "{e}");
 }
+
+/// `--device cuda` (Burn's own CUDA backend) trains in this process only, and only in a build
+/// with `burn-cuda`.
+#[test]
+fn burn_cuda_device_needs_its_build_and_no_launcher() {
+    let refused = |argv: &[&str]| match xtask::train::run(&parse_train(argv).unwrap()) {
+        Ok(_) => panic!("{argv:?} trained"),
+        Err(e) => format!("{e:#}"),
+    };
+    #[cfg(not(feature = "burn-cuda"))]
+    for extra in [&["--no-fsdp"][..], &["--world-size", "2"][..]] {
+        let mut argv = vec!["train-qwen3", "--device", "cuda", "--steps", "1", "--quiet"];
+        argv.extend(extra);
+        let e = refused(&argv);
+        assert!(e.contains("--features burn-cuda"), "{e}");
+    }
+    for launcher in ["mpi", "env"] {
+        let e =
+            refused(&["train-qwen3", "--device", "cuda", "--launcher", launcher, "--steps", "1", "--quiet"]);
+        assert!(e.contains("--device cuda") && e.contains("in this process"), "{launcher}: {e}");
+    }
+}

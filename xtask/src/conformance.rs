@@ -24,6 +24,15 @@ pub enum ConformanceBackend {
     /// The `Metax` server and MACA dialect on the emulated MetaX device: the generated kernels
     /// compiled by the host C++ compiler and run on the CPU at wave 64.
     MetaxEmu,
+    /// `metax-emu` under Burn's kernel fusion (`MetaxEmuFused`): the fused kernels through the
+    /// MACA dialect, on the CPU. xtask built with `--features burn-cuda` (the GPU pack).
+    MetaxEmuFused,
+    /// `cuda-proxy` under Burn's kernel fusion (`CudaProxyFused`). xtask built with
+    /// `--features burn-cuda`.
+    CudaProxyFused,
+    /// Burn's own CUDA backend (`burn_cuda::Cuda`, fusion on), as a baseline for the proxy.
+    /// xtask built with `--features burn-cuda`.
+    Cuda,
 }
 
 impl ConformanceBackend {
@@ -35,6 +44,9 @@ impl ConformanceBackend {
             Self::CudaProxy => "cuda-proxy",
             Self::Metax => "metax",
             Self::MetaxEmu => "metax-emu",
+            Self::MetaxEmuFused => "metax-emu-fused",
+            Self::CudaProxyFused => "cuda-proxy-fused",
+            Self::Cuda => "cuda",
         }
     }
 }
@@ -108,6 +120,9 @@ pub fn run(args: &ConformanceArgs) -> Result<Status> {
         gpu @ (ConformanceBackend::CudaProxy | ConformanceBackend::Metax) => {
             run_gpu_backend(gpu.name(), filter)?
         }
+        fused @ (ConformanceBackend::MetaxEmuFused
+        | ConformanceBackend::CudaProxyFused
+        | ConformanceBackend::Cuda) => run_fused_backend(fused, filter),
     };
     match &status {
         Status::Ran(report) => {
@@ -152,4 +167,43 @@ pub fn run_gpu_backend(name: &str, filter: Option<&str>) -> Result<Status> {
              conformance --backend cuda-proxy` (exit status {EXIT_UNAVAILABLE})"
         )))
     }
+}
+
+/// Runs the suite (no `cube/…` strategy cases: fusion picks its own kernels) on a fused
+/// backend, or reports it unavailable: not in this build, or no such device here.
+#[cfg(feature = "burn-cuda")]
+fn run_fused_backend(backend: ConformanceBackend, filter: Option<&str>) -> Status {
+    use burn_metax_backend::{CudaProxyFused, CudaProxyRuntime, MetaxEmuFused, MetaxEmuRuntime};
+    let unavailable = |e: &dyn std::fmt::Display| {
+        Status::Unavailable(format!("backend {}: {e} (exit status {EXIT_UNAVAILABLE})", backend.name()))
+    };
+    match backend {
+        ConformanceBackend::MetaxEmuFused => match MetaxEmuRuntime::first_device() {
+            Ok(device) => Status::Ran(burn_conformance::run::<Autodiff<MetaxEmuFused>>(&device, filter)),
+            Err(e) => unavailable(&e),
+        },
+        ConformanceBackend::CudaProxyFused => match CudaProxyRuntime::first_device() {
+            Ok(device) => Status::Ran(burn_conformance::run::<Autodiff<CudaProxyFused>>(&device, filter)),
+            Err(e) => unavailable(&e),
+        },
+        _ => match CudaProxyRuntime::first_device() {
+            // The proxy's device check says whether there is a CUDA GPU at all, without letting
+            // CubeCL's CUDA runtime panic on a machine that has none.
+            Ok(_) => {
+                Status::Ran(burn_conformance::run::<Autodiff<burn_cuda::Cuda>>(&Default::default(), filter))
+            }
+            Err(e) => unavailable(&e),
+        },
+    }
+}
+
+/// Without `burn-cuda`: the fused backends and Burn's CUDA backend are not in this build.
+#[cfg(not(feature = "burn-cuda"))]
+fn run_fused_backend(backend: ConformanceBackend, _filter: Option<&str>) -> Status {
+    Status::Unavailable(format!(
+        "backend {}: not available in this build: rebuild with `cargo run -p xtask --features burn-cuda -- \
+         conformance --backend {}` (exit status {EXIT_UNAVAILABLE})",
+        backend.name(),
+        backend.name()
+    ))
 }

@@ -220,6 +220,7 @@ impl EnvJob {
             DeviceKind::Metax => self.train_metax(args, setup, sink),
             DeviceKind::CudaProxy => self.train_cuda(args, setup, sink),
             DeviceKind::MetaxEmu => Err(anyhow::anyhow!("--device metax-emu runs in-process ranks only")),
+            DeviceKind::Cuda => Err(anyhow::anyhow!("--device cuda runs in this process only")),
         };
         result.map_err(|e| {
             let msg = format!("rank {}: {e:#}", self.rank());

@@ -1,8 +1,13 @@
 //! `cargo xtask gpu-bench` (feature `cuda-proxy`): Qwen3 training throughput on an NVIDIA GPU
-//! through the MetaX runtime's CUDA proxy — tokens/s, MFU, and the overhead of FSDP at W = 1.
+//! through the MetaX runtime's CUDA proxy — tokens/s, MFU, the overhead of FSDP at W = 1 — and,
+//! with feature `burn-cuda`, the same steps side by side on Burn's own CUDA backend
+//! (`CubeBackend<CudaRuntime>`: the same CubeCL kernels on Tracel's server), so that
+//! `cuda_proxy_vs_burn_cuda_fsdp_w1_bf16_tokens_per_sec_ratio` measures our server alone; and
+//! both under Burn's kernel fusion.
 //!
-//! Prepared for an H200-class machine (`scripts/gpu-h200.sh` runs it and writes the figures
-//! to a file for docs/); where no CUDA device is present it says so and exits with status 3.
+//! Run by `scripts/gpu-check.sh` from the GPU pack; where no CUDA device is present it says so
+//! and exits with status 3. A variant that fails (an error or a panic in a kernel) prints
+//! `name: failed (why)` and the others still run; the command then exits non-zero.
 //!
 //! MFU = 6 · Ψ · tokens / time / peak, with `--peak-tflops` the device's dense peak for the
 //! dtype (H200 SXM: 989 TFLOPS bf16, 67 TFLOPS fp32 without TF32).
@@ -14,10 +19,10 @@ use anyhow::{Context, Result, bail};
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::optim::GradientsParams;
-use burn::tensor::backend::Backend as _;
+use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_fsdp::{DeviceMesh, Fsdp, FsdpConfig, LocalGroup, MixedPrecisionPolicy, ProcessGroup};
-use burn_metax_backend::{CudaProxy, CudaProxyRuntime};
+use burn_metax_backend::{CudaProxy, CudaProxyDevice, CudaProxyRuntime};
 use qwen3_burn::Qwen3Config;
 use qwen3_burn::train::{cross_entropy, inputs_and_labels};
 
@@ -44,31 +49,39 @@ pub struct GpuBenchArgs {
     pub out: Option<std::path::PathBuf>,
 }
 
-type Gpu = CudaProxy<f32>;
-type Train = Autodiff<Gpu, BalancedCheckpointing>;
+/// Where one variant runs: its name in the figures, and a function timing its steps.
+struct Variant {
+    name: &'static str,
+    time: fn(&Qwen3Config, &GpuBenchArgs, Option<MixedPrecisionPolicy>) -> Result<f64>,
+}
 
-fn tokens(
+fn tokens<B: Backend>(
     config: &Qwen3Config,
     batch: usize,
     seq: usize,
     step: usize,
-    device: &burn::tensor::Device<Gpu>,
-) -> Tensor<Train, 2, Int> {
+    device: &B::Device,
+) -> Tensor<Autodiff<B, BalancedCheckpointing>, 2, Int> {
     let v: Vec<i64> =
         (0..batch * (seq + 1)).map(|i| ((i * 7919 + step * 104_729) % config.vocab_size) as i64).collect();
     Tensor::from_data(TensorData::new(v, [batch, seq + 1]), device)
 }
 
-/// Seconds per step of `steps` timed steps (one warm-up first), for no FSDP (`fsdp` = None)
-/// or FSDP over one rank with `mp` mixed precision.
-fn time_steps(config: &Qwen3Config, args: &GpuBenchArgs, fsdp: Option<MixedPrecisionPolicy>) -> Result<f64> {
-    let device = CudaProxyRuntime::first_device().map_err(|e| anyhow::anyhow!("{e}"))?;
-    let model = config.init::<Train>(&device);
+/// Seconds per step of `steps` timed steps (one warm-up first, which also autotunes), on
+/// backend `B` at `device`: no FSDP (`fsdp` = None) or FSDP over one rank with `mp` mixed
+/// precision.
+fn time_steps<B: Backend>(
+    device: B::Device,
+    config: &Qwen3Config,
+    args: &GpuBenchArgs,
+    fsdp: Option<MixedPrecisionPolicy>,
+) -> Result<f64> {
+    let model = config.init::<Autodiff<B, BalancedCheckpointing>>(&device);
     let mut optim =
         burn_fsdp::TorchAdamWConfig { lr: 1e-4, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1 }.init();
-    let group: Arc<dyn ProcessGroup<Gpu>> =
+    let group: Arc<dyn ProcessGroup<B>> =
         LocalGroup::new_group(1, std::time::Duration::from_secs(600)).pop().context("no rank")?;
-    let mesh = DeviceMesh::new_1d(group, device);
+    let mesh = DeviceMesh::new_1d(group, device.clone());
     let (mut wrapped, mut plain) = match fsdp {
         Some(mp_policy) => {
             (Some(Fsdp::wrap(model, &mesh, FsdpConfig { mp_policy, ..FsdpConfig::default() })?), None)
@@ -78,10 +91,10 @@ fn time_steps(config: &Qwen3Config, args: &GpuBenchArgs, fsdp: Option<MixedPreci
     let mut start = Instant::now();
     for step in 0..=args.steps {
         if step == 1 {
-            Gpu::sync(&device).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+            B::sync(&device).map_err(|e| anyhow::anyhow!("{e:?}"))?;
             start = Instant::now();
         }
-        let (inputs, labels) = inputs_and_labels(tokens(config, args.batch, args.seq, step, &device));
+        let (inputs, labels) = inputs_and_labels(tokens::<B>(config, args.batch, args.seq, step, &device));
         if let Some(f) = wrapped.as_mut() {
             let logits = f.forward(|m, runner| m.forward_with(inputs, runner));
             let grads = f.gradients(cross_entropy(logits, labels).backward());
@@ -92,11 +105,57 @@ fn time_steps(config: &Qwen3Config, args: &GpuBenchArgs, fsdp: Option<MixedPreci
             plain = Some(optim.step(m, grads));
         }
     }
-    Gpu::sync(&device).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    B::sync(&device).map_err(|e| anyhow::anyhow!("{e:?}"))?;
     Ok(start.elapsed().as_secs_f64() / args.steps.max(1) as f64)
 }
 
-/// Runs the benchmark; `Ok(false)` when no CUDA device is present (after saying why).
+fn cuda_proxy(config: &Qwen3Config, args: &GpuBenchArgs, mp: Option<MixedPrecisionPolicy>) -> Result<f64> {
+    time_steps::<CudaProxy<f32>>(CudaProxyDevice::new(0), config, args, mp)
+}
+
+#[cfg(feature = "burn-cuda")]
+fn cuda_proxy_fused(
+    config: &Qwen3Config,
+    args: &GpuBenchArgs,
+    mp: Option<MixedPrecisionPolicy>,
+) -> Result<f64> {
+    time_steps::<burn_metax_backend::CudaProxyFused<f32>>(CudaProxyDevice::new(0), config, args, mp)
+}
+
+/// Burn's CUDA backend without fusion: the same CubeCL kernels as the proxy, Tracel's server.
+#[cfg(feature = "burn-cuda")]
+fn burn_cuda(config: &Qwen3Config, args: &GpuBenchArgs, mp: Option<MixedPrecisionPolicy>) -> Result<f64> {
+    type Plain = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
+    time_steps::<Plain>(burn_cuda::CudaDevice::new(0), config, args, mp)
+}
+
+/// Burn's CUDA backend as users get it (`burn_cuda::Cuda`: fusion on).
+#[cfg(feature = "burn-cuda")]
+fn burn_cuda_fused(
+    config: &Qwen3Config,
+    args: &GpuBenchArgs,
+    mp: Option<MixedPrecisionPolicy>,
+) -> Result<f64> {
+    time_steps::<burn_cuda::Cuda<f32>>(burn_cuda::CudaDevice::new(0), config, args, mp)
+}
+
+/// Runs `f`, turning a panic (a kernel that failed to compile or launch) into an error.
+fn guarded(f: impl FnOnce() -> Result<f64>) -> Result<f64> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(result) => result,
+        Err(panic) => {
+            let why = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "a panic".to_string());
+            bail!("panicked: {why}")
+        }
+    }
+}
+
+/// Runs the benchmark; `Ok(false)` when no CUDA device is present (after saying why). Fails
+/// (after printing every figure it has) when a variant failed.
 pub fn run(args: &GpuBenchArgs) -> Result<bool> {
     if let Err(e) = CudaProxyRuntime::first_device() {
         println!("gpu-bench: skipped: {e}");
@@ -109,30 +168,79 @@ pub fn run(args: &GpuBenchArgs) -> Result<bool> {
         .with_context(|| format!("--preset `{}` is unknown (tiny, 0.6b, 1.7b, 4b, 8b)", args.preset))?;
     let psi = config.num_params() as f64;
     let tokens = (args.batch * args.seq) as f64;
-    let single = time_steps(&config, args, None)?;
-    let fsdp_f32 = time_steps(&config, args, Some(MixedPrecisionPolicy::default()))?;
     let bf16 = MixedPrecisionPolicy {
         param_dtype: Some(DType::BF16),
         reduce_dtype: Some(DType::F32),
         output_dtype: None,
     };
-    let fsdp_bf16 = time_steps(&config, args, Some(bf16))?;
-    let mfu = |secs: f64, peak: f64| 6.0 * psi * tokens / secs / (peak * 1e12);
-    let lines = [
-        format!("gpu_bench_params: {psi:.0}"),
-        format!("gpu_bench_tokens_per_step: {tokens:.0}"),
-        format!("cuda_proxy_no_fsdp_f32_tokens_per_sec: {:.1}", tokens / single),
-        format!("cuda_proxy_fsdp_w1_f32_tokens_per_sec: {:.1}", tokens / fsdp_f32),
-        format!("cuda_proxy_fsdp_w1_bf16_tokens_per_sec: {:.1}", tokens / fsdp_bf16),
-        format!("fsdp_w1_vs_no_fsdp_tokens_per_sec_ratio: {:.3}", single / fsdp_f32),
-        format!("cuda_proxy_fsdp_w1_bf16_mfu: {:.4}", mfu(fsdp_bf16, args.peak_tflops)),
-    ];
+    let mut lines =
+        vec![format!("gpu_bench_params: {psi:.0}"), format!("gpu_bench_tokens_per_step: {tokens:.0}")];
     for l in &lines {
         println!("{l}");
+    }
+    let mut failed = Vec::new();
+    // name → seconds per step, for the ratios.
+    let mut secs = std::collections::BTreeMap::new();
+    let mut measure = |name: &str, run: &dyn Fn() -> Result<f64>, lines: &mut Vec<String>| {
+        let line = match guarded(run) {
+            Ok(s) => {
+                secs.insert(name.to_string(), s);
+                format!("{name}_tokens_per_sec: {:.1}", tokens / s)
+            }
+            Err(e) => {
+                failed.push(name.to_string());
+                format!("{name}_tokens_per_sec: failed ({e:#})")
+            }
+        };
+        println!("{line}");
+        lines.push(line);
+    };
+    let proxy = Variant { name: "cuda_proxy", time: cuda_proxy };
+    measure("cuda_proxy_no_fsdp_f32", &|| (proxy.time)(&config, args, None), &mut lines);
+    measure(
+        "cuda_proxy_fsdp_w1_f32",
+        &|| (proxy.time)(&config, args, Some(MixedPrecisionPolicy::default())),
+        &mut lines,
+    );
+    let mut variants = vec![proxy];
+    #[cfg(feature = "burn-cuda")]
+    variants.extend([
+        Variant { name: "burn_cuda", time: burn_cuda },
+        Variant { name: "cuda_proxy_fused", time: cuda_proxy_fused },
+        Variant { name: "burn_cuda_fused", time: burn_cuda_fused },
+    ]);
+    for v in &variants {
+        measure(&format!("{}_fsdp_w1_bf16", v.name), &|| (v.time)(&config, args, Some(bf16)), &mut lines);
+    }
+    let mfu = |secs: f64| 6.0 * psi * tokens / secs / (args.peak_tflops * 1e12);
+    let mut figures = Vec::new();
+    if let (Some(single), Some(fsdp)) =
+        (secs.get("cuda_proxy_no_fsdp_f32"), secs.get("cuda_proxy_fsdp_w1_f32"))
+    {
+        figures.push(format!("fsdp_w1_vs_no_fsdp_tokens_per_sec_ratio: {:.3}", single / fsdp));
+    }
+    for v in &variants {
+        if let Some(s) = secs.get(&format!("{}_fsdp_w1_bf16", v.name)) {
+            figures.push(format!("{}_fsdp_w1_bf16_mfu: {:.4}", v.name, mfu(*s)));
+        }
+    }
+    // Our server against Tracel's on the same kernels: > 1 means the proxy is faster.
+    for (ours, theirs) in [("cuda_proxy", "burn_cuda"), ("cuda_proxy_fused", "burn_cuda_fused")] {
+        let key = |n: &str| format!("{n}_fsdp_w1_bf16");
+        if let (Some(a), Some(b)) = (secs.get(&key(ours)), secs.get(&key(theirs))) {
+            figures.push(format!("{ours}_vs_{theirs}_fsdp_w1_bf16_tokens_per_sec_ratio: {:.3}", b / a));
+        }
+    }
+    for f in figures {
+        println!("{f}");
+        lines.push(f);
     }
     if let Some(path) = &args.out {
         std::fs::write(path, lines.join("\n") + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if !failed.is_empty() {
+        bail!("gpu-bench: {} failed: {}", failed.len(), failed.join(", "));
     }
     Ok(true)
 }

@@ -16,6 +16,7 @@ use std::process::Command;
 use anyhow::{Result, bail};
 
 use crate::train::args::{Precision, TrainArgs};
+#[cfg(feature = "mpi")]
 use crate::train::ranks::cpu_rank;
 use crate::train::report::MetricsSink;
 use crate::train::setup::Setup;

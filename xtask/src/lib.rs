@@ -9,6 +9,7 @@ pub mod env_launch;
 pub mod generate;
 #[cfg(feature = "cuda-proxy")]
 pub mod gpu_bench;
+pub mod gpu_pack;
 pub mod headline;
 pub mod launch;
 pub mod logits;

@@ -35,6 +35,10 @@ enum Command {
     #[cfg(feature = "cuda-proxy")]
     #[command(name = "gpu-bench")]
     GpuBench(xtask::gpu_bench::GpuBenchArgs),
+    /// Build the GPU pack (release binary with the GPU features, fixtures, manifest) for
+    /// scripts/gpu-check.sh on a GPU machine without Rust (docs/gpu.md).
+    #[command(name = "gpu-pack")]
+    GpuPack(xtask::gpu_pack::GpuPackArgs),
     /// (Run under mpirun.) Checks MPI collectives against in-process ones, and failure paths.
     #[cfg(feature = "mpi")]
     #[command(name = "mpi-selftest", hide = true)]
@@ -60,6 +64,7 @@ fn main() {
             Ok(false) => std::process::exit(3),
             Err(e) => Err(e),
         },
+        Command::GpuPack(args) => xtask::gpu_pack::run(&args).map(|_| ()),
         #[cfg(feature = "mpi")]
         Command::MpiSelftest(args) => xtask::mpi_tools::selftest(&args),
         #[cfg(feature = "mpi")]

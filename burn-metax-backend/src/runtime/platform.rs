@@ -41,6 +41,11 @@ pub trait Platform: Clone + fmt::Debug + Send + Sync + 'static {
     /// driver did not load, if it did not).
     fn unavailable_reason(driver_error: Option<&DriverError>) -> String;
 
+    /// Registers what the platform adds to CubeCL's view of a device beyond the common
+    /// properties (e.g. the tensor-core matrix shapes the CUDA proxy's dialect emits). Default:
+    /// nothing — MetaX MMA stays off until it has been verified on the hardware.
+    fn register_features(_properties: &DeviceProperties, _cube: &mut cubecl_core::ir::DeviceProperties) {}
+
     /// Whether the device computes in f64 (registered as a supported CubeCL type). CubeCL's C++
     /// runtimes leave f64 out on CUDA (`cubecl_cpp::register_supported_types`: a matmul failure
     /// there); MetaX C500-class GPUs have FP64 units, and the MACA platform enables it.

@@ -124,7 +124,7 @@ fn max_vector_size(props: &crate::driver::DeviceProperties) -> VectorSize {
 }
 
 /// CubeCL's view of a device.
-fn cube_properties<P: Platform>(props: &crate::driver::DeviceProperties) -> CubeDeviceProperties {
+pub(crate) fn cube_properties<P: Platform>(props: &crate::driver::DeviceProperties) -> CubeDeviceProperties {
     let memory = MemoryDeviceProperties {
         max_page_size: (props.total_memory as u64 / 4).max(64 << 20),
         alignment: DEVICE_MEMORY_ALIGNMENT as u64,
@@ -156,6 +156,7 @@ fn cube_properties<P: Platform>(props: &crate::driver::DeviceProperties) -> Cube
     properties.features.alignment = true;
     // Plane (wave) operations in uniform control flow only: the dialects use full-wave masks.
     properties.features.plane.insert(Plane::Ops);
+    P::register_features(props, &mut properties);
     properties
 }
 

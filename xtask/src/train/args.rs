@@ -168,7 +168,9 @@ pub struct TrainArgs {
     /// per process with device collectives: `metax` (MCCL) or `cuda-proxy` (NCCL; xtask built
     /// with `--features cuda`), under `--launcher env` (the GPU is `LOCAL_RANK`). `cuda-proxy`
     /// also runs in this process on GPU 0 (`--no-fsdp`, or in-process ranks sharing it with
-    /// host collectives; xtask built with `--features cuda-proxy`).
+    /// host collectives; xtask built with `--features cuda-proxy`). `cuda` is Burn's own CUDA
+    /// backend (burn-cuda) in this process: `--no-fsdp` on GPU 0, or in-process ranks spread
+    /// over the visible GPUs, host collectives (xtask built with `--features burn-cuda`).
     #[arg(long, value_enum, default_value_t = DeviceKind::Cpu)]
     pub device: DeviceKind,
     /// The Burn backend of `--device cpu` in fp32: `flex` (burn's Flex: matrix products by the
@@ -216,6 +218,10 @@ pub enum DeviceKind {
     /// An NVIDIA GPU through the MetaX runtime's CUDA proxy: one per process with NCCL
     /// collectives (`--launcher env`), or GPU 0 shared by in-process ranks (host collectives).
     CudaProxy,
+    /// Burn's own CUDA backend (burn-cuda's `Cuda`: CubeCL's CUDA runtime, fusion, autotune) in
+    /// this process: GPU 0 alone, or in-process ranks spread over the visible GPUs with host
+    /// collectives.
+    Cuda,
     /// The emulated MetaX device (the MetaX backend's kernels compiled by the host C++ compiler
     /// and run on the CPU at wave size 64): each in-process rank on its own emulated device,
     /// host collectives. Needs g++ or clang++ (`scripts/setup.sh`).
@@ -229,6 +235,7 @@ impl DeviceKind {
             DeviceKind::Cpu => "cpu",
             DeviceKind::Metax => "metax",
             DeviceKind::CudaProxy => "cuda-proxy",
+            DeviceKind::Cuda => "cuda",
             DeviceKind::MetaxEmu => "metax-emu",
         }
     }

@@ -81,7 +81,8 @@ pub fn regathers(args: &TrainArgs, shard_world: usize) -> bool {
 
 /// Single-device training: the reference every FSDP run is compared with. On the CPU
 /// (`--cpu-backend`), on emulated MetaX device 0 with `--device metax-emu`, or on GPU 0 with
-/// `--device cuda-proxy` (xtask built with `cuda-proxy`).
+/// `--device cuda-proxy` (xtask built with `cuda-proxy`), or with Burn's CUDA backend on GPU 0
+/// with `--device cuda` (xtask built with `burn-cuda`).
 pub fn train_single(args: &TrainArgs, setup: Setup, sink: &MetricsSink) -> Result<Vec<StepMetrics>> {
     let options = setup_options(args, &setup)?;
     let Setup { config, model, batches, .. } = &setup;
@@ -96,6 +97,11 @@ pub fn train_single(args: &TrainArgs, setup: Setup, sink: &MetricsSink) -> Resul
             trainer::train::<burn_metax_backend::CudaProxy<f32>>(
                 single, config, model, batches, &options, sink,
             )?
+        }
+        #[cfg(feature = "burn-cuda")]
+        DeviceKind::Cuda => {
+            let single = Parallelism::Single(burn_cuda::CudaDevice::new(0));
+            trainer::train::<burn_cuda::Cuda<f32>>(single, config, model, batches, &options, sink)?
         }
         _ if args.cpu_backend == CpuBackend::Flex => {
             let single = Parallelism::Single(Default::default());

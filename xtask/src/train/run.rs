@@ -146,6 +146,15 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
             "--device cuda-proxy needs xtask built with `--features cuda-proxy` (the CUDA driver through cudarc)"
         );
     }
+    if args.device == DeviceKind::Cuda && args.launcher != Launcher::Local {
+        bail!(
+            "--device cuda (Burn's CUDA backend) trains in this process: --no-fsdp, or in-process ranks \
+             over the visible GPUs; for one process per GPU use --device cuda-proxy --launcher env"
+        );
+    }
+    if args.device == DeviceKind::Cuda && !cfg!(feature = "burn-cuda") {
+        bail!("--device cuda needs xtask built with `--features burn-cuda` (Burn's CUDA backend)");
+    }
     if args.device == DeviceKind::MetaxEmu {
         check_emu_devices(args)?;
     }
@@ -236,6 +245,15 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
             // Every in-process rank on GPU 0, host collectives.
             let gpu0 = burn_metax_backend::CudaProxyDevice { index: 0 };
             train_fsdp_on::<burn_metax_backend::CudaProxy<f32>>(args, setup, &sink, |_| gpu0)?
+        }
+        #[cfg(feature = "burn-cuda")]
+        (false, _, None) if args.device == DeviceKind::Cuda => {
+            // Rank r on GPU r mod (visible GPUs), host collectives.
+            use burn::tensor::backend::Backend as _;
+            let gpus = burn_cuda::Cuda::<f32>::device_count(0).max(1);
+            train_fsdp_on::<burn_cuda::Cuda<f32>>(args, setup, &sink, |rank| {
+                burn_cuda::CudaDevice::new(rank % gpus)
+            })?
         }
         (false, _, None) => train_fsdp_cpu(args, setup, &sink)?,
     };
