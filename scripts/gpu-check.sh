@@ -62,6 +62,7 @@ step() {
   esac
   STEPS+=("{$(json_str name "$name"), $(json_str status "$status"), \"seconds\": $(awk "BEGIN{printf \"%.1f\", $end-$start}"), $(json_str log "$name.log")}")
   echo "[$name] $status"
+  return "$rc"
 }
 
 # within_tolerance SUMMARY_JSON: the run's worst relative loss and grad-norm differences from its
@@ -112,21 +113,23 @@ step environment 20 bash -c 'nvidia-smi; echo "libcuda: $0"; echo "libnvrtc: $1"
   "${LIBCUDA:-}" "${LIBNVRTC:-}" "${CUDA_INCLUDE:-}"
 
 # ── Steps 2-4: from the pack. ──
-# pack_intact: bin/xtask's SHA-256 is the one manifest.json recorded (a truncated copy fails here,
-# not halfway through a step).
-pack_intact() {
+# unpack: bin/xtask.gz unpacked into OUT_DIR/bin/xtask, whose SHA-256 must be the one
+# manifest.json recorded (a truncated or corrupted copy fails here, not halfway through a step).
+X="$OUT_DIR/bin/xtask"
+unpack() {
   local want got
-  want="$(grep -A 2 '"path": "bin/xtask"' "$PACK/manifest.json" | sed -n 's/.*"sha256": *"\([0-9a-f]*\)".*/\1/p')"
-  got="$(sha256sum "$PACK/bin/xtask" | cut -d ' ' -f 1)"
+  mkdir -p "$OUT_DIR/bin" && gzip -dc "$PACK/bin/xtask.gz" > "$X" && chmod +x "$X" || return 1
+  want="$(sed -n 's/.*"binary_sha256": *"\([0-9a-f]*\)".*/\1/p' "$PACK/manifest.json" | head -n 1)"
+  got="$(sha256sum "$X" | cut -d ' ' -f 1)"
   echo "bin/xtask sha256 $got (manifest: $want)"
   [ -n "$want" ] && [ "$want" = "$got" ]
 }
-X="$PACK/bin/xtask"
 GPU_STEPS="conformance conformance-fused qwen3-tiny-single qwen3-tiny-fsdp4 qwen3-tiny-offload qwen3-tiny-fsdp4-burn-cuda throughput"
-if [ ! -x "$X" ]; then
-  for s in pack $GPU_STEPS; do skip "$s" "no pack ($X): cargo xtask gpu-pack --out $PACK"; done
+if [ ! -f "$PACK/bin/xtask.gz" ] || [ ! -f "$PACK/manifest.json" ]; then
+  for s in pack $GPU_STEPS; do skip "$s" "no pack ($PACK/bin/xtask.gz): cargo xtask gpu-pack --out $PACK"; done
+elif ! step pack 5 unpack; then
+  for s in $GPU_STEPS; do skip "$s" "the pack did not unpack intact (pack.log)"; done
 else
-  step pack 5 pack_intact
   FIX="$PACK/fixtures/qwen3-tiny-a"
   tiny() { # NAME TIMEOUT REFERENCE ARGS...: one Qwen3 tiny-a run against a PyTorch trajectory
     local name="$1" limit="$2" ref="$3"; shift 3
