@@ -155,6 +155,15 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
     if args.device == DeviceKind::Cuda && !cfg!(feature = "burn-cuda") {
         bail!("--device cuda needs xtask built with `--features burn-cuda` (Burn's CUDA backend)");
     }
+    // In this process on a GPU: say so clearly when there is none (CubeCL's device threads
+    // would panic on first use instead).
+    #[cfg(feature = "cuda-proxy")]
+    if matches!(args.device, DeviceKind::CudaProxy | DeviceKind::Cuda)
+        && args.launcher == Launcher::Local
+        && let Err(e) = burn_metax_backend::CudaProxyRuntime::first_device()
+    {
+        bail!("--device {}: {e}", args.device.name());
+    }
     if args.device == DeviceKind::MetaxEmu {
         check_emu_devices(args)?;
     }

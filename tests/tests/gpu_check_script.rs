@@ -1,0 +1,177 @@
+//! `scripts/gpu-check.sh` on a machine without a GPU: it stops at once with "no GPU" (exit 2),
+//! and, with a stand-in `nvidia-smi` and a stand-in pack, runs every step from the pack, writes
+//! `gpu-report.json` and one log per step, refuses a pack whose binary does not match its
+//! manifest, and fails a run whose `summary.json` is off the PyTorch fixture.
+#![allow(clippy::unwrap_used)]
+
+use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/gpu-check.sh")
+}
+
+fn executable(path: &Path, text: &str) {
+    std::fs::write(path, text).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+/// Runs the script with `bin` first on PATH (where the stand-in `nvidia-smi` lives).
+fn run(bin: &Path, pack: &Path, out: &Path) -> Output {
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    Command::new("bash").arg(script()).arg(pack).arg(out).env("PATH", path).output().unwrap()
+}
+
+fn report(out: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(out.join("gpu-report.json")).unwrap()).unwrap()
+}
+
+fn status_of<'a>(report: &'a serde_json::Value, step: &str) -> &'a str {
+    report["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["name"] == step)
+        .and_then(|s| s["status"].as_str())
+        .unwrap_or_else(|| panic!("no step {step} in {report}"))
+}
+
+#[test]
+fn no_gpu_exits_at_once_with_status_2_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let bin = dir.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    // An nvidia-smi that lists no device (as on a machine with the tools but no GPU).
+    executable(&bin.join("nvidia-smi"), "#!/bin/sh\necho 'No devices were found' >&2\nexit 6\n");
+    let out = dir.path().join("out");
+    let o = run(&bin, &dir.path().join("no-pack"), &out);
+    assert_eq!(o.status.code(), Some(2), "{o:?}");
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(stderr.contains("no GPU"), "{stderr}");
+    let r = report(&out);
+    assert!(r["verdict"].as_str().unwrap().starts_with("no GPU"), "{r}");
+    assert!(r["steps"].as_array().unwrap().is_empty(), "{r}");
+}
+
+/// A stand-in pack: `xtask` is a shell script that answers each step as the real binary would
+/// on a GPU, writing `summary.json` with the given worst loss difference for the Qwen3 runs.
+fn stand_in_pack(dir: &Path, worst_loss_rel_diff: &str, digest_ok: bool) -> PathBuf {
+    let pack = dir.join("pack");
+    std::fs::create_dir_all(pack.join("bin")).unwrap();
+    std::fs::create_dir_all(pack.join("fixtures/qwen3-tiny-a")).unwrap();
+    let xtask = format!(
+        r#"#!/bin/sh
+# Stand-in for the pack's xtask: records its arguments, answers like the real one.
+echo "$@" >> "$(dirname "$0")/../calls.txt"
+case "$1" in
+  conformance) echo "passed: 3 failed: 0 skipped: 0";;
+  train-qwen3)
+    while [ $# -gt 0 ]; do [ "$1" = --out-dir ] && out="$2"; shift; done
+    mkdir -p "$out"
+    echo '{{"worst_loss_rel_diff": {worst_loss_rel_diff}, "worst_grad_norm_rel_diff": 2e-6}}' > "$out/summary.json";;
+  gpu-bench)
+    while [ $# -gt 0 ]; do [ "$1" = --out ] && out="$2"; shift; done
+    echo "cuda_proxy_fsdp_w1_bf16_tokens_per_sec: 1.0" > "$out";;
+esac
+"#
+    );
+    let mut gz = flate2::write::GzEncoder::new(
+        std::fs::File::create(pack.join("bin/xtask.gz")).unwrap(),
+        flate2::Compression::default(),
+    );
+    gz.write_all(xtask.as_bytes()).unwrap();
+    gz.finish().unwrap();
+    let digest = if digest_ok {
+        let file = dir.join("xtask-plain");
+        std::fs::write(&file, &xtask).unwrap();
+        let o = Command::new("sha256sum").arg(&file).output().unwrap();
+        String::from_utf8_lossy(&o.stdout).split_whitespace().next().unwrap().to_string()
+    } else {
+        "0".repeat(64)
+    };
+    std::fs::write(pack.join("manifest.json"), format!("{{\n  \"binary_sha256\": \"{digest}\"\n}}\n"))
+        .unwrap();
+    pack
+}
+
+fn gpu_bin(dir: &Path) -> PathBuf {
+    let bin = dir.join("fake-bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    executable(
+        &bin.join("nvidia-smi"),
+        "#!/bin/sh\ncase \"$*\" in\n  -L) echo 'GPU 0: stand-in';;\n  *name*) echo stand-in;;\n  \
+         *driver*) echo 0.0;;\n  *) echo 'CUDA Version: 13.0';;\nesac\n",
+    );
+    bin
+}
+
+#[test]
+fn every_step_runs_from_the_pack_and_is_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let pack = stand_in_pack(dir.path(), "1e-6", true);
+    let out = dir.path().join("out");
+    let o = run(&gpu_bin(dir.path()), &pack, &out);
+    let r = report(&out);
+    for step in [
+        "pack",
+        "conformance",
+        "conformance-fused",
+        "qwen3-tiny-single",
+        "qwen3-tiny-fsdp4",
+        "qwen3-tiny-offload",
+        "qwen3-tiny-fsdp4-burn-cuda",
+        "qwen3-tiny-single-vs-pytorch",
+        "qwen3-tiny-fsdp4-burn-cuda-vs-pytorch",
+        "throughput",
+    ] {
+        assert_eq!(status_of(&r, step), "passed", "{step}: {r}");
+        assert!(out.join(format!("{step}.log")).is_file(), "{step}.log");
+    }
+    // Each step ran the unpacked binary with the flags docs/gpu.md lists.
+    let calls = std::fs::read_to_string(out.join("calls.txt")).unwrap();
+    for expected in [
+        "conformance --backend cuda-proxy --quiet",
+        "conformance --backend cuda-proxy-fused --quiet",
+        "train-qwen3 --device cuda-proxy --no-fsdp",
+        "train-qwen3 --device cuda-proxy --world-size 4 --offload",
+        "train-qwen3 --device cuda --world-size 4",
+        "gpu-bench --preset 0.6b",
+    ] {
+        assert!(calls.contains(expected), "{expected} not in {calls}");
+    }
+    // The environment step needs libcuda and libnvrtc: it passes only where they exist.
+    let env = status_of(&r, "environment");
+    assert!(env == "passed" || env.starts_with("failed"), "{env}");
+    let verdict = r["verdict"].as_str().unwrap();
+    assert_eq!(o.status.code(), Some(if env == "passed" { 0 } else { 1 }), "{verdict}: {o:?}");
+}
+
+#[test]
+fn a_pack_that_does_not_match_its_manifest_runs_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let pack = stand_in_pack(dir.path(), "1e-6", false);
+    let out = dir.path().join("out");
+    let o = run(&gpu_bin(dir.path()), &pack, &out);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    let r = report(&out);
+    assert_eq!(r["verdict"], "failed");
+    assert!(status_of(&r, "pack").starts_with("failed"), "{r}");
+    assert!(status_of(&r, "conformance").starts_with("skipped"), "{r}");
+    assert!(!out.join("calls.txt").exists(), "no step ran the binary");
+}
+
+#[test]
+fn a_run_off_the_pytorch_fixture_fails_its_check() {
+    let dir = tempfile::tempdir().unwrap();
+    let pack = stand_in_pack(dir.path(), "3e-3", true);
+    let out = dir.path().join("out");
+    let o = run(&gpu_bin(dir.path()), &pack, &out);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    let r = report(&out);
+    assert_eq!(status_of(&r, "qwen3-tiny-fsdp4"), "passed", "the run itself finished");
+    assert!(status_of(&r, "qwen3-tiny-fsdp4-vs-pytorch").starts_with("failed"), "{r}");
+    let log = std::fs::read_to_string(out.join("qwen3-tiny-fsdp4-vs-pytorch.log")).unwrap();
+    assert!(log.contains("3e-3") && log.contains("1e-4"), "{log}");
+}
