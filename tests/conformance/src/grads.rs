@@ -465,9 +465,10 @@ pub(crate) fn grad_cases<B: AutodiffBackend>(r: &mut Runner<'_>, dev: &B::Device
             linear_h(&g.zip(&linear_h(&x[0], &x[2]), |a, b| a * b), &x[3])
         }),
     );
+    let f64_skip = r.unsupported(DType::F64, B::supports_dtype(dev, DType::F64));
     r.case(n("cast.f64_roundtrip"), t, || {
-        if !B::supports_dtype(dev, DType::F64) {
-            return Err(Fail::Skip("backend does not support F64".into()));
+        if let Some(why) = f64_skip {
+            return Err(Fail::Skip(why));
         }
         grad_check::<B>(
             dev,

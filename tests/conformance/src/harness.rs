@@ -113,6 +113,9 @@ pub(crate) fn mismatch<T>(msg: impl Into<String>) -> Result<T, Fail> {
 /// Runs cases one by one, each isolated by `catch_unwind`.
 pub(crate) struct Runner<'f> {
     filter: Option<&'f str>,
+    /// Dtypes the backend claims (`supports_dtype`) but is known not to run, and why: their
+    /// cases are reported as skipped with the reason instead of run.
+    pub(crate) excluded: Vec<(burn::tensor::DType, String)>,
     /// While set, every case is recorded as skipped with this reason without running.
     skip: Option<String>,
     pub(crate) report: Report,
@@ -120,12 +123,22 @@ pub(crate) struct Runner<'f> {
 
 impl<'f> Runner<'f> {
     pub(crate) fn new(filter: Option<&'f str>) -> Self {
-        Self { filter, skip: None, report: Report::default() }
+        Self { filter, excluded: Vec::new(), skip: None, report: Report::default() }
     }
 
     /// Sets (or clears) the reason to skip the following cases.
     pub(crate) fn skip_all(&mut self, reason: Option<String>) {
         self.skip = reason;
+    }
+
+    /// Why `dtype`'s cases are skipped on this backend, if they are: `supports` is false
+    /// (`Backend::supports_dtype`), or the run excluded it.
+    pub(crate) fn unsupported(&self, dtype: burn::tensor::DType, supports: bool) -> Option<String> {
+        if let Some((_, why)) = self.excluded.iter().find(|(d, _)| *d == dtype) {
+            return Some(why.clone());
+        }
+        (!supports)
+            .then(|| format!("backend does not support {} (Backend::supports_dtype)", dtype_name(dtype)))
     }
 
     /// Whether a case of this name is selected by the filter.

@@ -64,8 +64,8 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 
 #[cfg(feature = "cube")]
 pub use cube::run_cube_matmul;
+use harness::Runner;
 pub use harness::{Case, Outcome, Report};
-use harness::{Runner, dtype_name};
 
 /// The float dtypes the forward cases run in.
 pub const FLOAT_DTYPES: [DType; 4] = [DType::F32, DType::F64, DType::BF16, DType::F16];
@@ -73,7 +73,27 @@ pub const FLOAT_DTYPES: [DType; 4] = [DType::F32, DType::F64, DType::BF16, DType
 /// Runs every case whose name contains `filter` (all cases when `None`) on `device`:
 /// forward cases on `B::InnerBackend` and on `B`, gradient cases on `B`.
 pub fn run<B: AutodiffBackend>(device: &B::Device, filter: Option<&str>) -> Report {
+    run_excluding::<B>(device, filter, &[], "")
+}
+
+/// [`run`] with dtypes the backend claims but cannot run reported as skipped, with `why`,
+/// instead of run: e.g. f64 under Burn's kernel fusion, whose code generator panics on it in
+/// the device thread — after which every later case would fail too.
+///
+/// ```no_run
+/// # fn f<B: burn::tensor::backend::AutodiffBackend>(device: &B::Device) {
+/// use burn::tensor::DType;
+/// let report = burn_conformance::run_excluding::<B>(device, None, &[DType::F64], "fusion has no f64");
+/// # }
+/// ```
+pub fn run_excluding<B: AutodiffBackend>(
+    device: &B::Device,
+    filter: Option<&str>,
+    excluded: &[DType],
+    why: &str,
+) -> Report {
     let mut r = Runner::new(filter);
+    r.excluded = excluded.iter().map(|d| (*d, why.to_string())).collect();
     plain_cases::<B::InnerBackend>(&mut r, "inner", device);
     plain_cases::<B>(&mut r, "autodiff", device);
     grads::grad_cases::<B>(&mut r, device);
@@ -111,8 +131,7 @@ pub fn run_forward<B: Backend>(device: &B::Device, label: &str, filter: Option<&
 
 fn plain_cases<B: Backend>(r: &mut Runner<'_>, label: &str, device: &B::Device) {
     for dtype in FLOAT_DTYPES {
-        let skip = (!B::supports_dtype(device, dtype))
-            .then(|| format!("backend does not support {} (Backend::supports_dtype)", dtype_name(dtype)));
+        let skip = r.unsupported(dtype, B::supports_dtype(device, dtype));
         r.skip_all(skip);
         forward::float_cases::<B>(r, label, device, dtype);
     }
@@ -129,6 +148,23 @@ mod tests {
     use burn::prelude::*;
 
     type B = Autodiff<NdArray<f32>>;
+
+    /// Excluded dtypes are reported as skipped with the reason, and no case of theirs runs;
+    /// the others still run.
+    #[test]
+    fn excluded_dtypes_are_skipped_with_the_reason() {
+        let device = Default::default();
+        let r = run_excluding::<B>(&device, Some("/add_scalar"), &[DType::F32], "no f32 here");
+        let f32_cases: Vec<_> = r.cases.iter().filter(|c| c.name.contains("/f32/")).collect();
+        assert!(!f32_cases.is_empty(), "{r}");
+        for c in f32_cases {
+            assert_eq!(c.outcome, Outcome::Skipped("no f32 here".into()), "{c}");
+        }
+        assert!(r.cases.iter().any(|c| c.name.contains("/f64/") && c.outcome == Outcome::Passed), "{r}");
+        let g = run_excluding::<B>(&device, Some("cast.f64_roundtrip"), &[DType::F64], "no f64 here");
+        assert_eq!(g.cases.len(), 1, "{g}");
+        assert_eq!(g.cases[0].outcome, Outcome::Skipped("no f64 here".into()));
+    }
 
     /// A backend whose result is wrong must be reported as failed: here, the check itself
     /// is fed a deliberately wrong reference.
