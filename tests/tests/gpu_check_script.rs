@@ -85,7 +85,7 @@ esac
     gz.finish().unwrap();
     let digest = if digest_ok {
         let file = dir.join("xtask-plain");
-        std::fs::write(&file, &xtask).unwrap();
+        std::fs::write(&file, xtask.as_bytes()).unwrap();
         let o = Command::new("sha256sum").arg(&file).output().unwrap();
         String::from_utf8_lossy(&o.stdout).split_whitespace().next().unwrap().to_string()
     } else {
