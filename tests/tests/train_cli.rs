@@ -352,15 +352,19 @@ fn a_non_finite_loss_stops_training_with_the_step_and_still_writes_the_summary()
     }
 }
 
+/// The error of a run that must be refused (a panic if it trains).
+fn refused(argv: &[&str]) -> String {
+    match xtask::train::run(&parse_train(argv).unwrap()) {
+        Ok(_) => panic!("{argv:?} trained"),
+        Err(e) => format!("{e:#}"),
+    }
+}
+
 /// `--device cuda-proxy` in this process (no `--launcher`) needs the `cuda-proxy` build: without
 /// it the run is refused with that said, never trained on the CPU instead; `--launcher mpi` is
 /// refused in any build.
 #[test]
 fn cuda_proxy_in_process_needs_its_build_and_no_mpi() {
-    let refused = |argv: &[&str]| match xtask::train::run(&parse_train(argv).unwrap()) {
-        Ok(_) => panic!("{argv:?} trained"),
-        Err(e) => format!("{e:#}"),
-    };
     #[cfg(not(feature = "cuda-proxy"))]
     for extra in [&["--no-fsdp"][..], &["--world-size", "2"][..]] {
         let mut argv = vec!["train-qwen3", "--device", "cuda-proxy", "--steps", "1", "--quiet"];
@@ -377,10 +381,6 @@ fn cuda_proxy_in_process_needs_its_build_and_no_mpi() {
 /// with `burn-cuda`.
 #[test]
 fn burn_cuda_device_needs_its_build_and_no_launcher() {
-    let refused = |argv: &[&str]| match xtask::train::run(&parse_train(argv).unwrap()) {
-        Ok(_) => panic!("{argv:?} trained"),
-        Err(e) => format!("{e:#}"),
-    };
     #[cfg(not(feature = "burn-cuda"))]
     for extra in [&["--no-fsdp"][..], &["--world-size", "2"][..]] {
         let mut argv = vec!["train-qwen3", "--device", "cuda", "--steps", "1", "--quiet"];

@@ -173,6 +173,15 @@ pub fn run_gpu_backend(name: &str, filter: Option<&str>) -> Result<Status> {
 #[cfg(feature = "burn-cuda")]
 const FUSION_NO_F64: &str = "burn-cubecl-fusion 0.21 has no f64 code generation";
 
+/// The suite on a fused backend, f64 skipped ([`FUSION_NO_F64`]).
+#[cfg(feature = "burn-cuda")]
+fn fused_suite<B: burn::tensor::backend::Backend>(
+    device: &B::Device,
+    filter: Option<&str>,
+) -> burn_conformance::Report {
+    burn_conformance::run_excluding::<Autodiff<B>>(device, filter, &[burn::tensor::DType::F64], FUSION_NO_F64)
+}
+
 /// Runs the suite (no `cube/…` strategy cases: fusion picks its own kernels) on a fused
 /// backend, or reports it unavailable: not in this build, or no such device here.
 #[cfg(feature = "burn-cuda")]
@@ -186,21 +195,11 @@ fn run_fused_backend(backend: ConformanceBackend, filter: Option<&str>) -> Statu
         // a panic in the device thread after which every later call fails), though the MetaX
         // runtimes register f64: those cases are skipped, with that reason.
         ConformanceBackend::MetaxEmuFused => match MetaxEmuRuntime::first_device() {
-            Ok(device) => Status::Ran(burn_conformance::run_excluding::<Autodiff<MetaxEmuFused>>(
-                &device,
-                filter,
-                &[burn::tensor::DType::F64],
-                FUSION_NO_F64,
-            )),
+            Ok(device) => Status::Ran(fused_suite::<MetaxEmuFused>(&device, filter)),
             Err(e) => unavailable(&e),
         },
         ConformanceBackend::CudaProxyFused => match CudaProxyRuntime::first_device() {
-            Ok(device) => Status::Ran(burn_conformance::run_excluding::<Autodiff<CudaProxyFused>>(
-                &device,
-                filter,
-                &[burn::tensor::DType::F64],
-                FUSION_NO_F64,
-            )),
+            Ok(device) => Status::Ran(fused_suite::<CudaProxyFused>(&device, filter)),
             Err(e) => unavailable(&e),
         },
         _ => match CudaProxyRuntime::first_device() {
