@@ -79,3 +79,33 @@ fn filtered_cpu_run_reports_its_cases() {
     assert!(report.cases.iter().all(|c| c.name.contains("softmax")), "{report}");
     assert_eq!(Status::Ran(report).exit_code(), 0);
 }
+
+#[test]
+fn min_pass_guard_fails_a_run_with_too_few_cases() {
+    // 6+ softmax cases pass on NdArray: a guard of 10 000 fails the run with its own case, one
+    // of 1 does not.
+    let run_with = |min: &str| {
+        let args = ConformanceArgs::parse_from_args(&[
+            "conformance",
+            "--backend",
+            "ndarray",
+            "--filter",
+            "softmax",
+            "--progress",
+            "--min-pass",
+            min,
+        ])
+        .unwrap();
+        assert!(args.progress);
+        run(&args).unwrap()
+    };
+    let status = run_with("10000");
+    let Status::Ran(report) = &status else { panic!("ndarray must run") };
+    let guard: Vec<_> = report.failures().collect();
+    assert_eq!(guard.len(), 1, "{report}");
+    assert!(guard[0].to_string().contains("--min-pass 10000"), "{}", guard[0]);
+    assert_eq!(status.exit_code(), 1);
+    let status = run_with("1");
+    assert_eq!(status.exit_code(), 0);
+    burn_conformance::set_progress(false);
+}

@@ -20,8 +20,15 @@ fn executable(path: &Path, text: &str) {
 
 /// Runs the script with `bin` first on PATH (where the stand-in `nvidia-smi` lives).
 fn run(bin: &Path, pack: &Path, out: &Path) -> Output {
+    run_env(bin, pack, out, &[])
+}
+
+/// [`run`] with extra environment variables (`GPU_CHECK_STEPS`, `GPU_CHECK_SCALE`).
+fn run_env(bin: &Path, pack: &Path, out: &Path, env: &[(&str, &str)]) -> Output {
     let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
-    Command::new("bash").arg(script()).arg(pack).arg(out).env("PATH", path).output().unwrap()
+    let mut cmd = Command::new("bash");
+    cmd.arg(script()).arg(pack).arg(out).env("PATH", path).env_remove("GPU_CHECK_STEPS");
+    cmd.envs(env.iter().copied()).output().unwrap()
 }
 
 fn report(out: &Path) -> serde_json::Value {
@@ -132,8 +139,8 @@ fn every_step_runs_from_the_pack_and_is_reported() {
     // Each step ran the unpacked binary with the flags docs/gpu.md lists.
     let calls = std::fs::read_to_string(out.join("calls.txt")).unwrap();
     for expected in [
-        "conformance --backend cuda-proxy --quiet",
-        "conformance --backend cuda-proxy-fused --quiet",
+        "conformance --backend cuda-proxy --quiet --progress --min-pass 800",
+        "conformance --backend cuda-proxy-fused --quiet --progress --min-pass 490",
         "train-qwen3 --device cuda-proxy --no-fsdp",
         "train-qwen3 --device cuda-proxy --world-size 4 --offload",
         "train-qwen3 --device cuda --world-size 4",
@@ -174,4 +181,30 @@ fn a_run_off_the_pytorch_fixture_fails_its_check() {
     assert!(status_of(&r, "qwen3-tiny-fsdp4-vs-pytorch").starts_with("failed"), "{r}");
     let log = std::fs::read_to_string(out.join("qwen3-tiny-fsdp4-vs-pytorch.log")).unwrap();
     assert!(log.contains("3e-3") && log.contains("1e-4"), "{log}");
+}
+
+#[test]
+fn gpu_check_steps_selects_the_steps_that_run() {
+    // A rerun of the slow steps alone, with longer timeouts: the others are reported skipped.
+    let dir = tempfile::tempdir().unwrap();
+    let pack = stand_in_pack(dir.path(), "1e-6", true);
+    let out = dir.path().join("out");
+    run_env(
+        &gpu_bin(dir.path()),
+        &pack,
+        &out,
+        &[("GPU_CHECK_STEPS", "conformance qwen3-tiny-fsdp4"), ("GPU_CHECK_SCALE", "2.5")],
+    );
+    let r = report(&out);
+    for step in ["pack", "conformance", "qwen3-tiny-fsdp4", "qwen3-tiny-fsdp4-vs-pytorch"] {
+        assert_eq!(status_of(&r, step), "passed", "{step}: {r}");
+    }
+    for step in ["conformance-fused", "qwen3-tiny-single", "qwen3-tiny-fsdp4-burn-cuda", "throughput"] {
+        assert_eq!(status_of(&r, step), "skipped: not in GPU_CHECK_STEPS", "{step}: {r}");
+    }
+    let names: Vec<&str> =
+        r["steps"].as_array().unwrap().iter().map(|s| s["name"].as_str().unwrap()).collect();
+    assert!(!names.contains(&"qwen3-tiny-single-vs-pytorch"), "{names:?}");
+    let calls = std::fs::read_to_string(out.join("calls.txt")).unwrap();
+    assert_eq!(calls.lines().count(), 2, "{calls}");
 }

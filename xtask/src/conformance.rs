@@ -63,6 +63,14 @@ pub struct ConformanceArgs {
     /// Print only failed cases and the summary line.
     #[arg(long)]
     pub quiet: bool,
+    /// Also print each case to stderr as it starts and ends, so a run cut short (a timeout, a
+    /// kernel that never returns) shows how far it got.
+    #[arg(long)]
+    pub progress: bool,
+    /// Fail (exit 1) when fewer cases than this passed: cases that went missing (a filter, a
+    /// dtype the backend stopped claiming) count against the run, as in the CPU tiers.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub min_pass: usize,
 }
 
 impl ConformanceArgs {
@@ -101,7 +109,8 @@ impl Status {
 /// Runs the command: the suite on `--backend`, printing the report.
 pub fn run(args: &ConformanceArgs) -> Result<Status> {
     let filter = args.filter.as_deref();
-    let status = match args.backend {
+    burn_conformance::set_progress(args.progress);
+    let mut status = match args.backend {
         ConformanceBackend::Ndarray => {
             Status::Ran(burn_conformance::run::<Autodiff<NdArray<f32>>>(&Default::default(), filter))
         }
@@ -124,6 +133,21 @@ pub fn run(args: &ConformanceArgs) -> Result<Status> {
         | ConformanceBackend::CudaProxyFused
         | ConformanceBackend::Cuda) => run_fused_backend(fused, filter),
     };
+    if let Status::Ran(report) = &mut status
+        && report.passed() < args.min_pass
+    {
+        // The guard is a failed case of its own, so the exit status and the summary count it.
+        report.cases.push(burn_conformance::Case {
+            name: "guard/min-pass".into(),
+            tolerance: args.min_pass as f64,
+            error: Some(report.passed() as f64),
+            outcome: burn_conformance::Outcome::Failed(format!(
+                "only {} cases passed, --min-pass {}",
+                report.passed(),
+                args.min_pass
+            )),
+        });
+    }
     match &status {
         Status::Ran(report) => {
             println!("backend {}:", args.backend.name());

@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::tensor::DType;
 
@@ -93,6 +94,19 @@ impl fmt::Display for Report {
     }
 }
 
+/// Whether each case is printed to stderr as it ends ([`set_progress`]).
+static PROGRESS: AtomicBool = AtomicBool::new(false);
+
+/// Prints every case to stderr as it ends (`[n] PASS …`), off by default: a run cut short by
+/// a timeout, or stuck in one kernel, then shows how far it got and which case it was in.
+///
+/// ```no_run
+/// burn_conformance::set_progress(true);
+/// ```
+pub fn set_progress(on: bool) {
+    PROGRESS.store(on, Ordering::Relaxed);
+}
+
 /// Why a case did not produce a comparable error.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Fail {
@@ -152,11 +166,19 @@ impl<'f> Runner<'f> {
         if !self.selected(&name) {
             return;
         }
+        let progress = PROGRESS.load(Ordering::Relaxed);
+        if progress {
+            eprintln!("[{}] start {name}", self.report.cases.len() + 1);
+        }
         let (error, outcome) = match &self.skip {
             Some(why) => (None, Outcome::Skipped(why.clone())),
             None => judge(catch_unwind(AssertUnwindSafe(body)), tolerance),
         };
-        self.report.cases.push(Case { name, tolerance, error, outcome });
+        let case = Case { name, tolerance, error, outcome };
+        if progress {
+            eprintln!("[{}] {case}", self.report.cases.len() + 1);
+        }
+        self.report.cases.push(case);
     }
 }
 

@@ -65,7 +65,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 #[cfg(feature = "cube")]
 pub use cube::run_cube_matmul;
 use harness::Runner;
-pub use harness::{Case, Outcome, Report};
+pub use harness::{Case, Outcome, Report, set_progress};
 
 /// The float dtypes the forward cases run in.
 pub const FLOAT_DTYPES: [DType; 4] = [DType::F32, DType::F64, DType::BF16, DType::F16];
