@@ -100,9 +100,16 @@ fi
 GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)"
 DRIVER="$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)"
 CUDA_VERSION="$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9.]*\).*/\1/p' | head -n 1)"
-find_lib() { # first path of a library matching the pattern, from ldconfig or the usual places
+# search NAME: the first file of that name anywhere on the root file system (10 s at most; not
+# the link-time stubs of the toolkit) — e.g. CUDA from pip wheels under site-packages/nvidia.
+search() {
+  timeout 10 find / -xdev \( -path /proc -o -path /sys -o -path '*/stubs' \) -prune -o -name "$1" -print 2>/dev/null |
+    sort | head -n 1
+}
+find_lib() { # first path of a library matching the pattern: ldconfig, the usual places, then anywhere
   ldconfig -p 2>/dev/null | awk -v p="$1" '$1 ~ p {print $NF; exit}' | grep . ||
-    find /usr/local/cuda* /usr/lib /usr/lib64 /opt -name "$2" 2>/dev/null | sort | head -n 1
+    find /usr/local/cuda* /usr/lib /usr/lib64 /opt -name "$2" -not -path '*/stubs/*' 2>/dev/null | sort | head -n 1 | grep . ||
+    search "$2"
 }
 LIBCUDA="$(find_lib '^libcuda\\.so' 'libcuda.so*')"
 LIBNVRTC="$(find_lib '^libnvrtc\\.so' 'libnvrtc.so*')"
@@ -113,12 +120,19 @@ mkdir -p "$OUT_DIR/lib"
 [ -n "$LIBCUDA" ] && ln -sf "$LIBCUDA" "$OUT_DIR/lib/libcuda.so"
 export LD_LIBRARY_PATH="$(cd "$OUT_DIR/lib" && pwd):${LD_LIBRARY_PATH:-}"
 # CUDA 13 keeps the f16/bf16 headers' dependencies under include/cccl.
-for d in /usr/local/cuda/include /usr/local/cuda-*/include /usr/include; do
+for d in ${CUDA_PATH:+$CUDA_PATH/include} /usr/local/cuda/include /usr/local/cuda-*/include /usr/include; do
   if [ -d "$d/cccl" ] || [ -f "$d/cuda_fp16.h" ]; then CUDA_INCLUDE="$d"; break; fi
 done
+if [ -z "${CUDA_INCLUDE:-}" ]; then
+  h="$(search cuda_fp16.h)"
+  [ -n "$h" ] && CUDA_INCLUDE="$(dirname "$h")"
+fi
 export CUDA_INCLUDE="${CUDA_INCLUDE:-}"
-step environment 20 bash -c 'nvidia-smi; echo "libcuda: $0"; echo "libnvrtc: $1"; echo "include: $2"; test -n "$0" && test -n "$1"' \
-  "${LIBCUDA:-}" "${LIBNVRTC:-}" "${CUDA_INCLUDE:-}"
+# Burn's CUDA backend (cubecl-cuda) finds the headers through CUDA_PATH (else /usr/local/cuda,
+# /opt/cuda or /usr when nvcc is there; none of them: it panics), as CUDA_PATH/include.
+[ -z "${CUDA_PATH:-}" ] && [ -n "$CUDA_INCLUDE" ] && export CUDA_PATH="$(dirname "$CUDA_INCLUDE")"
+step environment 20 bash -c 'nvidia-smi; echo "libcuda: $0"; echo "libnvrtc: $1"; echo "include: $2"; echo "CUDA_PATH: $3"; test -n "$0" && test -n "$1"' \
+  "${LIBCUDA:-}" "${LIBNVRTC:-}" "${CUDA_INCLUDE:-}" "${CUDA_PATH:-}"
 
 # ── Steps 2-4: from the pack. ──
 # unpack: bin/xtask.gz unpacked into OUT_DIR/bin/xtask, whose SHA-256 must be the one
