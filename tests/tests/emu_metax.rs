@@ -7,8 +7,9 @@
 use burn_metax_backend::MetaxEmuRuntime;
 use tests::{max_rel_diff, reference, train_args};
 
-/// Fewer passed cases than this means cases went missing (the full suite has 641: f32, f64,
-/// bf16, f16, int, bool, random and gradients; `run_cube` adds 168 kernel-strategy cases).
+/// Fewer passed cases than this means cases went missing (the full suite has 657: f32, f64,
+/// bf16, f16, int, bool, random and gradients; `run_cube` adds 168 kernel-strategy cases; 16
+/// of them fail for burn-cubecl 0.21's known mask_where bug).
 const MIN_PASSED: usize = 800;
 
 #[test]
@@ -28,6 +29,16 @@ fn conformance_metax_emu() {
     assert!(failures.is_empty(), "{} failed:\n{}", failures.len(), failures.join("\n"));
     assert!(report.passed() >= MIN_PASSED, "only {} cases passed (expected ≥ {MIN_PASSED})", report.passed());
     assert_eq!(report.skipped(), 0, "{report}");
+    // burn-cubecl 0.21's mask_where bug (KNOWN_CUBECL_0_21) shows here: when an upgrade fixes
+    // it, this fails, and the entry must go from the list.
+    let known: Vec<String> = report
+        .cases
+        .iter()
+        .filter(|c| matches!(c.outcome, burn_conformance::Outcome::KnownFailure(_)))
+        .map(|c| c.to_string())
+        .collect();
+    println!("known upstream failures ({}):\n{}", known.len(), known.join("\n"));
+    assert!(known.iter().any(|c| c.contains("inner/f32/mask_where.broadcast_input")), "{report}");
     // Kernels with wave operations ran: plane and cube-with-planes reductions, and the
     // vector–matrix matmuls that reduce across a plane.
     for kind in

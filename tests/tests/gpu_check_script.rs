@@ -119,32 +119,42 @@ fn every_step_runs_from_the_pack_and_is_reported() {
     let dir = tempfile::tempdir().unwrap();
     let pack = stand_in_pack(dir.path(), "1e-6", true);
     let out = dir.path().join("out");
-    let o = run(&gpu_bin(dir.path()), &pack, &out);
+    let archive = dir.path().join("gpu-out.tgz");
+    let o = run_env(&gpu_bin(dir.path()), &pack, &out, &[("GPU_CHECK_ARCHIVE", archive.to_str().unwrap())]);
     let r = report(&out);
     for step in [
         "pack",
         "conformance",
-        "conformance-fused",
         "qwen3-tiny-single",
         "qwen3-tiny-fsdp4",
         "qwen3-tiny-offload",
+        "qwen3-tiny-burn-cuda-single",
         "qwen3-tiny-fsdp4-burn-cuda",
         "qwen3-tiny-single-vs-pytorch",
+        "qwen3-tiny-burn-cuda-single-vs-pytorch",
         "qwen3-tiny-fsdp4-burn-cuda-vs-pytorch",
         "throughput",
     ] {
         assert_eq!(status_of(&r, step), "passed", "{step}: {r}");
         assert!(out.join(format!("{step}.log")).is_file(), "{step}.log");
     }
+    assert_eq!(status_of(&r, "conformance-fused"), "skipped: only when GPU_CHECK_STEPS names it", "{r}");
+    // The archive holds the report and every log, not the unpacked binary.
+    let listing = Command::new("tar").arg("tzf").arg(&archive).output().unwrap();
+    let listing = String::from_utf8_lossy(&listing.stdout);
+    for file in ["./gpu-report.json", "./conformance.log", "./run-fsdp4/summary.json", "./gpu-bench.txt"] {
+        assert!(listing.lines().any(|l| l == file), "{file} not in the archive: {listing}");
+    }
+    assert!(!listing.contains("bin/xtask"), "{listing}");
     // Each step ran the unpacked binary with the flags docs/gpu.md lists.
     let calls = std::fs::read_to_string(out.join("calls.txt")).unwrap();
     for expected in [
-        "conformance --backend cuda-proxy --quiet --progress --min-pass 800",
-        "conformance --backend cuda-proxy-fused --quiet --progress --min-pass 490",
+        "conformance --backend cuda-proxy --quiet --progress --min-pass 650",
         "train-qwen3 --device cuda-proxy --no-fsdp",
+        "train-qwen3 --device cuda --no-fsdp",
         "train-qwen3 --device cuda-proxy --world-size 4 --offload",
         "train-qwen3 --device cuda --world-size 4",
-        "gpu-bench --preset 0.6b",
+        "gpu-bench --preset 0.6b --batch 4 --seq 1024 --steps 3 --variants cuda_proxy,burn_cuda",
     ] {
         assert!(calls.contains(expected), "{expected} not in {calls}");
     }
@@ -193,18 +203,24 @@ fn gpu_check_steps_selects_the_steps_that_run() {
         &gpu_bin(dir.path()),
         &pack,
         &out,
-        &[("GPU_CHECK_STEPS", "conformance qwen3-tiny-fsdp4"), ("GPU_CHECK_SCALE", "2.5")],
+        &[("GPU_CHECK_STEPS", "conformance conformance-fused qwen3-tiny-fsdp4"), ("GPU_CHECK_SCALE", "2.5")],
     );
     let r = report(&out);
-    for step in ["pack", "conformance", "qwen3-tiny-fsdp4", "qwen3-tiny-fsdp4-vs-pytorch"] {
+    for step in
+        ["pack", "conformance", "conformance-fused", "qwen3-tiny-fsdp4", "qwen3-tiny-fsdp4-vs-pytorch"]
+    {
         assert_eq!(status_of(&r, step), "passed", "{step}: {r}");
     }
-    for step in ["conformance-fused", "qwen3-tiny-single", "qwen3-tiny-fsdp4-burn-cuda", "throughput"] {
+    for step in ["qwen3-tiny-single", "qwen3-tiny-fsdp4-burn-cuda", "throughput"] {
         assert_eq!(status_of(&r, step), "skipped: not in GPU_CHECK_STEPS", "{step}: {r}");
     }
     let names: Vec<&str> =
         r["steps"].as_array().unwrap().iter().map(|s| s["name"].as_str().unwrap()).collect();
     assert!(!names.contains(&"qwen3-tiny-single-vs-pytorch"), "{names:?}");
     let calls = std::fs::read_to_string(out.join("calls.txt")).unwrap();
-    assert_eq!(calls.lines().count(), 2, "{calls}");
+    assert_eq!(calls.lines().count(), 3, "{calls}");
+    assert!(
+        calls.contains("conformance --backend cuda-proxy-fused --quiet --progress --min-pass 480"),
+        "{calls}"
+    );
 }

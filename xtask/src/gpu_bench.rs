@@ -47,12 +47,33 @@ pub struct GpuBenchArgs {
     /// Write the figures (`name: value` lines) to this file as well.
     #[arg(long)]
     pub out: Option<std::path::PathBuf>,
+    /// Which runs to measure, comma-separated: `cuda_proxy`, `burn_cuda`, `cuda_proxy_fused`,
+    /// `burn_cuda_fused` (FSDP W = 1, bf16 each) and `f32` (the proxy without FSDP and with
+    /// FSDP at W = 1, f32). All by default; the two `burn_cuda*` and the fused ones need a
+    /// build with `burn-cuda`.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "cuda_proxy,burn_cuda,cuda_proxy_fused,burn_cuda_fused,f32"
+    )]
+    pub variants: Vec<String>,
+}
+
+/// The names `--variants` accepts.
+pub const VARIANTS: [&str; 5] = ["cuda_proxy", "burn_cuda", "cuda_proxy_fused", "burn_cuda_fused", "f32"];
+
+/// How long a run took: the warm-up (model init and the first step, which compiles and
+/// autotunes every kernel) and each timed step after it.
+#[derive(Debug, Clone, Copy)]
+struct Timing {
+    warmup_s: f64,
+    step_s: f64,
 }
 
 /// Where one variant runs: its name in the figures, and a function timing its steps.
 struct Variant {
     name: &'static str,
-    time: fn(&Qwen3Config, &GpuBenchArgs, Option<MixedPrecisionPolicy>) -> Result<f64>,
+    time: fn(&Qwen3Config, &GpuBenchArgs, Option<MixedPrecisionPolicy>) -> Result<Timing>,
 }
 
 fn tokens<B: Backend>(
@@ -67,7 +88,7 @@ fn tokens<B: Backend>(
     Tensor::from_data(TensorData::new(v, [batch, seq + 1]), device)
 }
 
-/// Seconds per step of `steps` timed steps (one warm-up first, which also autotunes), on
+/// Seconds of the warm-up and per step of `steps` timed steps (one warm-up first, which also autotunes), on
 /// backend `B` at `device`: no FSDP (`fsdp` = None) or FSDP over one rank with `mp` mixed
 /// precision.
 fn time_steps<B: Backend>(
@@ -75,7 +96,9 @@ fn time_steps<B: Backend>(
     config: &Qwen3Config,
     args: &GpuBenchArgs,
     fsdp: Option<MixedPrecisionPolicy>,
-) -> Result<f64> {
+) -> Result<Timing> {
+    let begin = Instant::now();
+    let mut warmup_s = 0.0;
     let model = config.init::<Autodiff<B, BalancedCheckpointing>>(&device);
     let mut optim =
         burn_fsdp::TorchAdamWConfig { lr: 1e-4, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1 }.init();
@@ -93,6 +116,7 @@ fn time_steps<B: Backend>(
         if step == 1 {
             B::sync(&device).map_err(|e| anyhow::anyhow!("{e:?}"))?;
             start = Instant::now();
+            warmup_s = begin.elapsed().as_secs_f64();
         }
         let (inputs, labels) = inputs_and_labels(tokens::<B>(config, args.batch, args.seq, step, &device));
         if let Some(f) = wrapped.as_mut() {
@@ -106,10 +130,10 @@ fn time_steps<B: Backend>(
         }
     }
     B::sync(&device).map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    Ok(start.elapsed().as_secs_f64() / args.steps.max(1) as f64)
+    Ok(Timing { warmup_s, step_s: start.elapsed().as_secs_f64() / args.steps.max(1) as f64 })
 }
 
-fn cuda_proxy(config: &Qwen3Config, args: &GpuBenchArgs, mp: Option<MixedPrecisionPolicy>) -> Result<f64> {
+fn cuda_proxy(config: &Qwen3Config, args: &GpuBenchArgs, mp: Option<MixedPrecisionPolicy>) -> Result<Timing> {
     time_steps::<CudaProxy<f32>>(CudaProxyDevice::new(0), config, args, mp)
 }
 
@@ -118,13 +142,13 @@ fn cuda_proxy_fused(
     config: &Qwen3Config,
     args: &GpuBenchArgs,
     mp: Option<MixedPrecisionPolicy>,
-) -> Result<f64> {
+) -> Result<Timing> {
     time_steps::<burn_metax_backend::CudaProxyFused<f32>>(CudaProxyDevice::new(0), config, args, mp)
 }
 
 /// Burn's CUDA backend without fusion: the same CubeCL kernels as the proxy, Tracel's server.
 #[cfg(feature = "burn-cuda")]
-fn burn_cuda(config: &Qwen3Config, args: &GpuBenchArgs, mp: Option<MixedPrecisionPolicy>) -> Result<f64> {
+fn burn_cuda(config: &Qwen3Config, args: &GpuBenchArgs, mp: Option<MixedPrecisionPolicy>) -> Result<Timing> {
     type Plain = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
     time_steps::<Plain>(burn_cuda::CudaDevice::new(0), config, args, mp)
 }
@@ -135,12 +159,12 @@ fn burn_cuda_fused(
     config: &Qwen3Config,
     args: &GpuBenchArgs,
     mp: Option<MixedPrecisionPolicy>,
-) -> Result<f64> {
+) -> Result<Timing> {
     time_steps::<burn_cuda::Cuda<f32>>(burn_cuda::CudaDevice::new(0), config, args, mp)
 }
 
 /// Runs `f`, turning a panic (a kernel that failed to compile or launch) into an error.
-fn guarded(f: impl FnOnce() -> Result<f64>) -> Result<f64> {
+fn guarded(f: impl FnOnce() -> Result<Timing>) -> Result<Timing> {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
         Ok(result) => result,
         Err(panic) => {
@@ -157,6 +181,9 @@ fn guarded(f: impl FnOnce() -> Result<f64>) -> Result<f64> {
 /// Runs the benchmark; `Ok(false)` when no CUDA device is present (after saying why). Fails
 /// (after printing every figure it has) when a variant failed.
 pub fn run(args: &GpuBenchArgs) -> Result<bool> {
+    if let Some(v) = args.variants.iter().find(|v| !VARIANTS.contains(&v.as_str())) {
+        bail!("--variants: unknown `{v}` (one or more of {})", VARIANTS.join(", "));
+    }
     if let Err(e) = CudaProxyRuntime::first_device() {
         println!("gpu-bench: skipped: {e}");
         return Ok(false);
@@ -164,6 +191,7 @@ pub fn run(args: &GpuBenchArgs) -> Result<bool> {
     if args.steps == 0 || args.batch == 0 || args.seq == 0 {
         bail!("--steps, --batch and --seq must be at least 1");
     }
+    let wanted = |name: &str| args.variants.iter().any(|v| v == name);
     let config = Qwen3Config::preset(&args.preset)
         .with_context(|| format!("--preset `{}` is unknown (tiny, 0.6b, 1.7b, 4b, 8b)", args.preset))?;
     let psi = config.num_params() as f64;
@@ -181,11 +209,15 @@ pub fn run(args: &GpuBenchArgs) -> Result<bool> {
     let mut failed = Vec::new();
     // name → seconds per step, for the ratios.
     let mut secs = std::collections::BTreeMap::new();
-    let mut measure = |name: &str, run: &dyn Fn() -> Result<f64>, lines: &mut Vec<String>| {
+    let mut measure = |name: &str, run: &dyn Fn() -> Result<Timing>, lines: &mut Vec<String>| {
         let line = match guarded(run) {
-            Ok(s) => {
-                secs.insert(name.to_string(), s);
-                format!("{name}_tokens_per_sec: {:.1}", tokens / s)
+            Ok(t) => {
+                secs.insert(name.to_string(), t.step_s);
+                // The warm-up (compiling and autotuning every kernel) on a line of its own.
+                let warmup = format!("{name}_warmup_seconds: {:.1}", t.warmup_s);
+                println!("{warmup}");
+                lines.push(warmup);
+                format!("{name}_tokens_per_sec: {:.1}", tokens / t.step_s)
             }
             Err(e) => {
                 failed.push(name.to_string());
@@ -205,15 +237,23 @@ pub fn run(args: &GpuBenchArgs) -> Result<bool> {
         Variant { name: "cuda_proxy_fused", time: cuda_proxy_fused },
         Variant { name: "burn_cuda_fused", time: burn_cuda_fused },
     ]);
-    for v in &variants {
+    for v in variants.iter().filter(|v| wanted(v.name)) {
         measure(&format!("{}_fsdp_w1_bf16", v.name), &|| (v.time)(&config, args, Some(bf16)), &mut lines);
     }
-    measure("cuda_proxy_no_fsdp_f32", &|| cuda_proxy(&config, args, None), &mut lines);
-    measure(
-        "cuda_proxy_fsdp_w1_f32",
-        &|| cuda_proxy(&config, args, Some(MixedPrecisionPolicy::default())),
-        &mut lines,
-    );
+    for v in args.variants.iter().filter(|v| !variants.iter().any(|k| k.name == v.as_str()) && *v != "f32") {
+        let line =
+            format!("{v}_fsdp_w1_bf16_tokens_per_sec: skipped (not in this build: needs feature burn-cuda)");
+        println!("{line}");
+        lines.push(line);
+    }
+    if wanted("f32") {
+        measure("cuda_proxy_no_fsdp_f32", &|| cuda_proxy(&config, args, None), &mut lines);
+        measure(
+            "cuda_proxy_fsdp_w1_f32",
+            &|| cuda_proxy(&config, args, Some(MixedPrecisionPolicy::default())),
+            &mut lines,
+        );
+    }
     let mfu = |secs: f64| 6.0 * psi * tokens / secs / (args.peak_tflops * 1e12);
     let mut figures = Vec::new();
     if let (Some(single), Some(fsdp)) =

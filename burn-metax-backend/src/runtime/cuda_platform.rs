@@ -9,7 +9,7 @@ use cubecl_core::ir::{ContiguousElements, MatrixLayout, MmaProperties, TargetPro
 use cubecl_cpp::DialectWmmaCompiler;
 use cubecl_cpp::cuda::CudaDialect;
 use cubecl_cpp::cuda::arch::CudaArchitecture;
-use cubecl_cpp::cuda::mma::{PtxWmmaCompiler, contiguous_elements_cuda};
+use cubecl_cpp::cuda::mma::{CudaWmmaCompiler, contiguous_elements_cuda};
 use cubecl_cpp::shared::{
     CompilationOptions, CppSupportedFeatures, register_mma_features, register_wmma_features,
 };
@@ -109,17 +109,18 @@ fn tensor_cores_enabled() -> bool {
     )
 }
 
-/// Registers the WMMA and MMA shapes cubecl-cpp's PTX compiler emits for compute capability
+/// Registers the WMMA and MMA shapes cubecl-cpp's CUDA WMMA compiler (`CudaWmmaCompiler`, the one
+/// cubecl-cuda uses by default) emits for compute capability
 /// `version` (`major * 10 + minor`), and the tensor-core hardware figures CubeCL's matmul
 /// selection reads. Nothing below Volta (7.0).
 fn register_tensor_cores(version: u32, cube: &mut cubecl_core::ir::DeviceProperties) {
     let arch = CudaArchitecture { version };
     let wmma =
-        <PtxWmmaCompiler as DialectWmmaCompiler<CudaDialect<PtxWmmaCompiler>>>::supported_wmma_combinations(
+        <CudaWmmaCompiler as DialectWmmaCompiler<CudaDialect<CudaWmmaCompiler>>>::supported_wmma_combinations(
             &arch,
         );
     let mma =
-        <PtxWmmaCompiler as DialectWmmaCompiler<CudaDialect<PtxWmmaCompiler>>>::supported_mma_combinations(
+        <CudaWmmaCompiler as DialectWmmaCompiler<CudaDialect<CudaWmmaCompiler>>>::supported_mma_combinations(
             &arch,
         );
     if !wmma.is_empty() {
@@ -140,7 +141,7 @@ fn tensor_cores_per_sm(version: u32) -> Option<u32> {
 }
 
 impl Platform for CudaProxyPlatform {
-    type Dialect = CudaDialect<PtxWmmaCompiler>;
+    type Dialect = CudaDialect<CudaWmmaCompiler>;
     type Device = CudaProxyDevice;
     const NAME: &'static str = "cuda-proxy";
 
@@ -200,8 +201,10 @@ impl Platform for CudaProxyPlatform {
         }
     }
 
-    /// Tensor cores: the WMMA and MMA shapes cubecl-cpp's PTX compiler emits for the device's
-    /// compute capability — what cubecl-cuda registers for Burn's own CUDA backend — so that
+    /// Tensor cores: the WMMA and MMA shapes cubecl-cpp's CUDA WMMA compiler emits for the
+    /// device's compute capability — what cubecl-cuda registers for Burn's own CUDA backend, with
+    /// the same compiler (not the PTX one: on an H200 its fragment casts panicked, `casting
+    /// fragment to float not supported`, for autotune's f16 tensor-core candidates) — so that
     /// cubek's matrix products (autotune's tensor-core candidates) may use them. Off with
     /// `CUDA_PROXY_TENSOR_CORES=0`.
     fn register_features(properties: &DeviceProperties, cube: &mut cubecl_core::ir::DeviceProperties) {
