@@ -88,8 +88,8 @@ fn tokens<B: Backend>(
     Tensor::from_data(TensorData::new(v, [batch, seq + 1]), device)
 }
 
-/// Seconds of the warm-up and per step of `steps` timed steps (one warm-up first, which also autotunes), on
-/// backend `B` at `device`: no FSDP (`fsdp` = None) or FSDP over one rank with `mp` mixed
+/// Seconds of the warm-up (model init and one step, which also autotunes) and per step of
+/// `steps` timed steps after it, on backend `B` at `device`: no FSDP (`fsdp` = None) or FSDP over one rank with `mp` mixed
 /// precision.
 fn time_steps<B: Backend>(
     device: B::Device,
