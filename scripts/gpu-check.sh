@@ -104,7 +104,6 @@ skip() { # NAME WHY
   echo "[$1] skipped: $2"
 }
 
-
 # ── No GPU: stop at once. ──
 if ! command -v nvidia-smi > /dev/null 2>&1 || ! nvidia-smi -L > "$OUT_DIR/nvidia-smi.log" 2>&1; then
   write_report "no GPU: nvidia-smi is missing or lists no device"

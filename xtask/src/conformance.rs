@@ -60,7 +60,7 @@ pub struct ConformanceArgs {
     /// Run only the cases whose name contains this substring (e.g. `matmul`, `grad/`, `bf16`).
     #[arg(long)]
     pub filter: Option<String>,
-    /// Print only failed cases and the summary line.
+    /// Print only failed cases, known upstream failures (`XFAIL`) and the summary line.
     #[arg(long)]
     pub quiet: bool,
     /// Also print each case to stderr as it starts and ends, so a run cut short (a timeout, a
