@@ -207,7 +207,7 @@ else
   # ends, so a timeout still shows how far the suite got and which case it was in.
   maybe conformance 110 env CUBECL_AUTOTUNE_LEVEL="${CUBECL_AUTOTUNE_LEVEL:-minimal}" \
     "$X" conformance --backend cuda-proxy --quiet --progress --min-pass "$MIN_PASS"
-  if [[ " ${GPU_CHECK_STEPS:-} " == *" conformance-fused "* ]]; then
+  if [ -n "${GPU_CHECK_STEPS:-}" ] && selected conformance-fused; then
     step conformance-fused 120 env CUBECL_AUTOTUNE_LEVEL="${CUBECL_AUTOTUNE_LEVEL:-minimal}" \
       "$X" conformance --backend cuda-proxy-fused --quiet --progress --min-pass "$MIN_PASS_FUSED"
   else
