@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tier in one carried run (issue #15): runs from a prebuilt pack (`cargo xtask gpu-pack
 # --out gpu-pack/`) on a bare NVIDIA machine — no Rust, no registry, no internet — each step with
-# its own timeout, ≤ 8 minutes in all, and writes OUT_DIR/gpu-report.json plus one log per step,
+# its own timeout, ≤ 9 minutes in all, and writes OUT_DIR/gpu-report.json plus one log per step,
 # even when a step fails. Usage: scripts/gpu-check.sh [PACK_DIR] [OUT_DIR]
 #   PACK_DIR  default ./gpu-pack (bin/xtask, fixtures/, manifest.json)   OUT_DIR  default ${OUT:-./gpu-out}
 # On a machine without an NVIDIA GPU it exits at once (status 2) with "no GPU" in its message.
@@ -82,15 +82,23 @@ archive() {
     -C "$OUT_DIR" . 2> /dev/null && mv "$GPU_CHECK_ARCHIVE.part" "$GPU_CHECK_ARCHIVE"
 }
 
-# within_tolerance SUMMARY_JSON: the run's worst relative loss and grad-norm differences from its
-# reference (`--compare-to`, in summary.json) are both ≤ TOL (the CPU tiers' 1e-4, README.md).
+# within_tolerance SUMMARY_JSON [TOL]: the run's worst relative loss and grad-norm differences
+# from its reference (`--compare-to`, in summary.json) are both ≤ TOL — by default the CPU tiers'
+# 1e-4 (README.md); TOL_TF32 for Burn's CUDA backend, whose f32 matmuls run on tensor cores in
+# TF32 (10-bit mantissa): cubecl-cuda registers TF32 and cubek-matmul's `adjust_dtypes` then
+# stages f32 operands as TF32 — not switchable in CubeCL 0.10. Measured on an H200 (stop 38):
+# loss 1.1e-4, grad norm 2.4e-3 from step 5 on, against 2e-7 and 1.6e-6 on our CUDA proxy
+# (which registers no TF32, so its f32 matmuls stay f32). 1e-2 is TF32's scale (a unit roundoff
+# of 2^-11 ≈ 4.9e-4 in every matmul operand, compounded over 20 optimizer steps), not a fit to
+# the figure; the FSDP and single runs on Burn's CUDA also agree with each other (the log).
 TOL=1e-4
+TOL_TF32=1e-2
 within_tolerance() {
-  local f="$1" loss norm
+  local f="$1" tol="${2:-$TOL}" loss norm
   loss="$(sed -n 's/.*"worst_loss_rel_diff": *\([-+0-9.eE]*\).*/\1/p' "$f" | head -n 1)"
   norm="$(sed -n 's/.*"worst_grad_norm_rel_diff": *\([-+0-9.eE]*\).*/\1/p' "$f" | head -n 1)"
-  echo "worst relative differences: loss $loss, grad norm $norm (tolerance $TOL)"
-  [ -n "$loss" ] && [ -n "$norm" ] && awk -v a="$loss" -v b="$norm" -v t="$TOL" 'BEGIN{exit !(a <= t && b <= t)}'
+  echo "worst relative differences: loss $loss, grad norm $norm (tolerance $tol)"
+  [ -n "$loss" ] && [ -n "$norm" ] && awk -v a="$loss" -v b="$norm" -v t="$tol" 'BEGIN{exit !(a <= t && b <= t)}'
 }
 
 # selected NAME: whether the step runs — every step unless GPU_CHECK_STEPS (names separated by
@@ -161,7 +169,7 @@ unpack() {
   echo "bin/xtask sha256 $got (manifest: $want)"
   [ -n "$want" ] && [ "$want" = "$got" ]
 }
-# conformance-fused runs only when GPU_CHECK_STEPS names it (it does not fit the 8 minutes).
+# conformance-fused runs only when GPU_CHECK_STEPS names it (it does not fit the 9 minutes).
 GPU_STEPS="qwen3-tiny-single qwen3-tiny-fsdp4 qwen3-tiny-offload qwen3-tiny-burn-cuda-single qwen3-tiny-fsdp4-burn-cuda throughput conformance conformance-fused"
 # The min-pass guards (as in the CPU tiers): the suite has 825 cases on a CubeCL runtime (657 +
 # 168 kernel-strategy cases); CUDA registers no f64 (as cubecl-cuda), so 145 of them are
@@ -186,26 +194,31 @@ else
   }
   # The first run compiles most kernels (later runs find them in the persistent kernel cache).
   # Not --quiet: each training step's line in the log shows how far a run that timed out got.
-  # Measured on an H200 (stop 37), cold: 24 s, 19 s, 8 s for the first three.
+  # Measured on an H200, cold: 24–27 s, 19–20 s, 6–8 s for the first three (stops 37, 38).
   tiny single 40 single.json --device cuda-proxy --no-fsdp
   tiny fsdp4 25 fsdp4.json --device cuda-proxy --world-size 4
-  tiny offload 20 fsdp4.json --device cuda-proxy --world-size 4 --offload
+  tiny offload 15 fsdp4.json --device cuda-proxy --world-size 4 --offload
   # Burn's CUDA backend alone first, then under FSDP: a failure of the second alone points at
-  # FSDP's rank threads on that backend, of both at the backend in this binary.
-  tiny burn-cuda-single 45 single.json --device cuda --no-fsdp
-  tiny fsdp4-burn-cuda 35 fsdp4.json --device cuda --world-size 4
+  # FSDP's rank threads on that backend, of both at the backend in this binary. Burn's CUDA
+  # keeps no kernel cache across processes: each run compiles its kernels (stop 38: 52 s and
+  # 41 s; 45 s and 35 s had timed out with no step done).
+  tiny burn-cuda-single 80 single.json --device cuda --no-fsdp
+  tiny fsdp4-burn-cuda 60 fsdp4.json --device cuda --world-size 4
   for run in single fsdp4 offload burn-cuda-single fsdp4-burn-cuda; do
     if selected "qwen3-tiny-$run"; then
-      step "qwen3-tiny-$run-vs-pytorch" 5 within_tolerance "$OUT_DIR/run-$run/summary.json"
+      tol="$TOL"; [[ "$run" == *burn-cuda* ]] && tol="$TOL_TF32"
+      step "qwen3-tiny-$run-vs-pytorch" 5 within_tolerance "$OUT_DIR/run-$run/summary.json" "$tol"
     fi
   done
   # The pair that compares the servers (the fused variants and f32: `xtask gpu-bench` alone).
-  maybe throughput 180 "$X" gpu-bench --preset 0.6b --batch 4 --seq 1024 --steps 3 \
+  # Cold, the proxy's warm-up (compile + autotune) alone took 92 s (stop 38); burn_cuda's more.
+  maybe throughput 140 "$X" gpu-bench --preset 0.6b --batch 4 --seq 1024 --steps 3 \
     --variants cuda_proxy,burn_cuda --out "$OUT_DIR/gpu-bench.txt"
   # Conformance last: the longest step (cold, ~0.3 s a case: compiling dominates; autotune at
   # its minimal level compiles fewer candidates). --progress logs each case as it starts and
-  # ends, so a timeout still shows how far the suite got and which case it was in.
-  maybe conformance 110 env CUBECL_AUTOTUNE_LEVEL="${CUBECL_AUTOTUNE_LEVEL:-minimal}" \
+  # ends, so a timeout still shows how far the suite got and which case it was in. Stop 38: 280
+  # cases in 110 s cold; the whole suite in 133 s with the kernel cache of that first pass.
+  maybe conformance 120 env CUBECL_AUTOTUNE_LEVEL="${CUBECL_AUTOTUNE_LEVEL:-minimal}" \
     "$X" conformance --backend cuda-proxy --quiet --progress --min-pass "$MIN_PASS"
   if [ -n "${GPU_CHECK_STEPS:-}" ] && selected conformance-fused; then
     step conformance-fused 120 env CUBECL_AUTOTUNE_LEVEL="${CUBECL_AUTOTUNE_LEVEL:-minimal}" \

@@ -191,6 +191,24 @@ fn a_run_off_the_pytorch_fixture_fails_its_check() {
     assert!(status_of(&r, "qwen3-tiny-fsdp4-vs-pytorch").starts_with("failed"), "{r}");
     let log = std::fs::read_to_string(out.join("qwen3-tiny-fsdp4-vs-pytorch.log")).unwrap();
     assert!(log.contains("3e-3") && log.contains("1e-4"), "{log}");
+    // Burn's CUDA backend runs f32 matmuls in TF32: its runs are held to TF32's 1e-2.
+    assert_eq!(status_of(&r, "qwen3-tiny-burn-cuda-single-vs-pytorch"), "passed", "{r}");
+    let log = std::fs::read_to_string(out.join("qwen3-tiny-fsdp4-burn-cuda-vs-pytorch.log")).unwrap();
+    assert!(log.contains("3e-3") && log.contains("1e-2"), "{log}");
+}
+
+#[test]
+fn a_burn_cuda_run_off_by_more_than_tf32_fails_its_check() {
+    let dir = tempfile::tempdir().unwrap();
+    let pack = stand_in_pack(dir.path(), "2e-2", true);
+    let out = dir.path().join("out");
+    let o = run(&gpu_bin(dir.path()), &pack, &out);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    let r = report(&out);
+    for run in ["burn-cuda-single", "fsdp4-burn-cuda", "single"] {
+        let step = format!("qwen3-tiny-{run}-vs-pytorch");
+        assert!(status_of(&r, &step).starts_with("failed"), "{step}: {r}");
+    }
 }
 
 #[test]
