@@ -50,6 +50,13 @@ enum Command {
 }
 
 fn main() {
+    // Freed host memory stays with the process for reuse (every command alike, so that the
+    // bench's single-device and FSDP workers run under the same allocator settings): FSDP's
+    // in-process ranks on the CPU otherwise fault in fresh pages every step (docs/performance.md,
+    // "Host memory retained"). `XTASK_MALLOC_DEFAULTS=1` keeps glibc's defaults.
+    if std::env::var_os("XTASK_MALLOC_DEFAULTS").is_none_or(|v| v.is_empty() || v == "0") {
+        burn_fsdp::retain_host_memory();
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::TrainQwen3(args) => {
