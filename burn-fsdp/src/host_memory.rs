@@ -10,8 +10,9 @@
 //!
 //! Measured (docs/performance.md, "Host memory retained"): FSDP over two in-process ranks on
 //! two cores of the 2-core CI machine, Qwen3 of 29M parameters on Flex, page faults per run
-//! 0.63–0.67 M → 0.25–0.29 M and tokens/s +8 % (alternated runs); single-device training on
-//! one core unchanged. Results are bit-identical (only where memory comes from changes).
+//! 0.59–0.68 M → 0.25–0.30 M and tokens/s +8 % on average over alternated runs (though within
+//! that virtual machine's run-to-run spread); single-device training on one core unchanged.
+//! Results are bit-identical: only where memory comes from changes.
 //!
 //! Call it once at the start of `main`, before any other thread starts: it changes the
 //! allocator of the whole process (so a library does not call it on its own), and arenas that
