@@ -374,12 +374,7 @@ mod host {
             unit_len: usize,
         ) -> Result<FlexTensor, Option<FlexTensor>> {
             let n = world * unit_len;
-            let mut buffer = buffer.unwrap_or_else(|| FlexTensor::zeros(Shape::new([n]), E::dtype()));
-            // A flat buffer of `n` elements of E from the start of its memory, as made above
-            // or by an earlier view of the unit.
-            if buffer.dtype() != E::dtype() || buffer.layout().contiguous_offsets() != Some((0, n)) {
-                return Err(Some(buffer));
-            }
+            let mut buffer = unit_buffer::<E>(buffer, n)?;
             place(view, src, &mut buffer.storage_mut::<E>()[..n], world);
             Ok(buffer)
         }
@@ -388,6 +383,20 @@ mod host {
             Some(Elements::F64(src)) => typed(view, src, buffer, world, unit_len),
             None => flex_write_transposed(view, grad, buffer, world, unit_len),
         }
+    }
+
+    /// The unit's gradient buffer for [`flex_write`]: `buffer`, or a fresh zero one, when it
+    /// is a flat buffer of `n` elements of `E` from the start of its memory (as made here or
+    /// by an earlier view of the unit); else the buffer back, for the generic path.
+    fn unit_buffer<E: Element>(
+        buffer: Option<FlexTensor>,
+        n: usize,
+    ) -> Result<FlexTensor, Option<FlexTensor>> {
+        let buffer = buffer.unwrap_or_else(|| FlexTensor::zeros(Shape::new([n]), E::dtype()));
+        if buffer.dtype() != E::dtype() || buffer.layout().contiguous_offsets() != Some((0, n)) {
+            return Err(Some(buffer));
+        }
+        Ok(buffer)
     }
 
     /// [`flex_write`] of a matrix gradient in transposed layout — strides `[1, rows]` from
@@ -426,10 +435,7 @@ mod host {
             if src.len() < rows * cols {
                 return Err(buffer);
             }
-            let mut buffer = buffer.unwrap_or_else(|| FlexTensor::zeros(Shape::new([n]), E::dtype()));
-            if buffer.dtype() != E::dtype() || buffer.layout().contiguous_offsets() != Some((0, n)) {
-                return Err(Some(buffer));
-            }
+            let mut buffer = unit_buffer::<E>(buffer, n)?;
             let dst = &mut buffer.storage_mut::<E>()[..n];
             for r in 0..world {
                 let elements = view.elements_of(r);
