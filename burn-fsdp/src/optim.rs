@@ -11,8 +11,8 @@ use std::collections::HashMap;
 
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Tensor, TensorData};
 
 mod fused;
 
@@ -221,7 +221,7 @@ pub fn grad_sq_sum<AB: AutodiffBackend, M: AutodiffModule<AB>>(module: &M, grads
     impl<AB: AutodiffBackend> ModuleVisitor<AB> for SqSum<'_, AB::InnerBackend> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
             if let Some(g) = self.grads.get::<AB::InnerBackend, D>(param.id) {
-                let s = g.square().sum();
+                let s = sq_sum(g);
                 self.total = Some(match self.total.take() {
                     Some(t) => t + s,
                     None => s,
@@ -232,6 +232,34 @@ pub fn grad_sq_sum<AB: AutodiffBackend, M: AutodiffModule<AB>>(module: &M, grads
     let mut v = SqSum::<AB::InnerBackend> { grads, total: None };
     module.visit(&mut v);
     v.total.map(|t| t.into_scalar_f64()).unwrap_or(0.0)
+}
+
+/// `Σ g²` as a one-element tensor: `g.square().sum()`, without its gradient-sized temporary on
+/// Flex `f32` (the same bits, see `fused::sq_sum`).
+fn sq_sum<B: Backend, const D: usize>(g: Tensor<B, D>) -> Tensor<B, 1> {
+    match fused::sq_sum(&g) {
+        Some(s) => Tensor::from_data(TensorData::new(vec![s], [1]), &g.device()),
+        None => g.square().sum(),
+    }
+}
+
+/// Puts every gradient of `module` in `grads` into standard layout where it is not (Flex:
+/// see `fused::standard_layout`), so that the norm and the optimizer read it as it lies.
+fn standard_layout_grads<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+    module: &M,
+    grads: &mut GradientsParams,
+) {
+    struct Standard<'a> {
+        grads: &'a mut GradientsParams,
+    }
+    impl<AB: AutodiffBackend> ModuleVisitor<AB> for Standard<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            if let Some(g) = self.grads.remove::<AB::InnerBackend, D>(param.id) {
+                self.grads.register(param.id, fused::standard_layout(g));
+            }
+        }
+    }
+    module.visit(&mut Standard { grads });
 }
 
 /// [`grad_sq_sum`] split in two: the gradients of parameters for which `first` is true, and
@@ -251,7 +279,7 @@ pub fn grad_sq_sum_split<AB: AutodiffBackend, M: AutodiffModule<AB>>(
     {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
             if let Some(g) = self.grads.get::<AB::InnerBackend, D>(param.id) {
-                let s = g.square().sum();
+                let s = sq_sum(g);
                 let slot = &mut self.totals[usize::from(!(self.first)(param.id))];
                 *slot = Some(match slot.take() {
                     Some(t) => t + s,
@@ -306,6 +334,7 @@ pub fn clip_grad_norm<AB: AutodiffBackend, M: AutodiffModule<AB>>(
     grads: &mut GradientsParams,
     max_norm: f64,
 ) -> f64 {
+    standard_layout_grads(module, grads);
     let norm = grad_norm(module, grads);
     if max_norm.is_finite() && max_norm > 0.0 {
         let coef = clip_coefficient(norm, max_norm);

@@ -11,8 +11,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use burn::backend::flex::FlexTensor;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Element, Tensor, TensorData, bf16, f16};
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Element, Tensor, TensorData, TensorPrimitive, bf16, f16};
 
 use crate::comm::{
     CollectiveFailure, CollectiveKind, CommCounters, CommError, CommStats, ProcessGroup, ReduceOp, Tag,
@@ -79,12 +81,55 @@ impl Drop for Timed {
     }
 }
 
-/// What a rank contributes. All-gather, reduce-scatter and all-reduce share host copies of
-/// the rank's elements (`Vec<TensorData>`, one per destination chunk), which the receiving
+/// What a rank contributes. All-gather, reduce-scatter and all-reduce share the rank's
+/// elements on the host (`Vec<HostChunk>`, one per destination chunk), which the receiving
 /// ranks combine with plain slice copies and loops into one pre-sized buffer per rank (each
 /// rank gets its own output, as on separate devices). Broadcast shares the root's host copy
 /// ([`BroadcastPart`]).
 type Payload = Arc<dyn std::any::Any + Send + Sync>;
+
+/// One destination chunk of a rank's contribution: `n` elements of `dtype`, as bytes.
+enum HostChunk {
+    /// Copied out of the rank's tensor (any backend).
+    Copied(TensorData),
+    /// Bytes `bytes` of a Flex tensor's own memory, shared rather than copied: the peers read
+    /// it while the round lasts, and nothing writes to it meanwhile (Flex writes in place only
+    /// into a buffer it holds alone; this clone makes it shared).
+    Flex { tensor: FlexTensor, bytes: Range<usize>, n: usize },
+}
+
+impl HostChunk {
+    fn as_bytes(&self) -> &[u8] {
+        match self {
+            HostChunk::Copied(d) => d.as_bytes(),
+            HostChunk::Flex { tensor, bytes, .. } => &tensor.bytes()[bytes.clone()],
+        }
+    }
+
+    fn num_elements(&self) -> usize {
+        match self {
+            HostChunk::Copied(d) => d.shape.num_elements(),
+            HostChunk::Flex { n, .. } => *n,
+        }
+    }
+
+    fn dtype(&self) -> DType {
+        match self {
+            HostChunk::Copied(d) => d.dtype,
+            HostChunk::Flex { tensor, .. } => tensor.dtype(),
+        }
+    }
+
+    /// The chunk as tensor data of its own (copied when shared).
+    fn to_data(&self) -> TensorData {
+        match self {
+            HostChunk::Copied(d) => d.clone(),
+            HostChunk::Flex { n, .. } => {
+                TensorData::from_bytes_vec(self.as_bytes().to_vec(), [*n], self.dtype())
+            }
+        }
+    }
+}
 
 /// A rank's part of a broadcast: the size and dtype it expects, and the data if it is the root.
 struct BroadcastPart {
@@ -267,20 +312,20 @@ impl LocalGroup {
         pick: usize,
         n: usize,
         dtype: DType,
-    ) -> Result<Vec<&'a TensorData>, CommError> {
+    ) -> Result<Vec<&'a HostChunk>, CommError> {
         let mut out = Vec::with_capacity(inputs.len());
         for (r, p) in inputs.iter().enumerate() {
-            let Some(chunk) = p.downcast_ref::<Vec<TensorData>>().and_then(|c| c.get(pick)) else {
+            let Some(chunk) = p.downcast_ref::<Vec<HostChunk>>().and_then(|c| c.get(pick)) else {
                 return Err(self.bad(kind, tag, format!("rank {r} contributed an input of another kind")));
             };
-            if chunk.shape.num_elements() != n || chunk.dtype != dtype {
+            if chunk.num_elements() != n || chunk.dtype() != dtype {
                 return Err(self.bad(
                     kind,
                     tag,
                     format!(
                         "rank {r} contributed {} elements of {:?}, rank {} {n} of {dtype:?}",
-                        chunk.shape.num_elements(),
-                        chunk.dtype,
+                        chunk.num_elements(),
+                        chunk.dtype(),
                         self.rank
                     ),
                 ));
@@ -305,8 +350,7 @@ impl LocalGroup {
         let chunks = if scatter { size } else { 1 };
         let n = input.shape().num_elements() / chunks;
         let bytes = payload_bytes(&input);
-        let mine = host_chunks(&input, chunks);
-        drop(input);
+        let mine = host_chunks(input, chunks);
         let inputs = self.exchange(kind, tag, Arc::new(mine), bytes)?;
         let pick = if scatter { self.rank } else { 0 };
         let parts = self.host_parts(kind, tag, &inputs, pick, n, dtype)?;
@@ -315,7 +359,7 @@ impl LocalGroup {
             Ok(bytes) => TensorData::from_bytes_vec(bytes, [n], dtype),
             Err(_) => {
                 let tensors: Vec<Tensor<B, 1>> =
-                    parts.iter().map(|p| Tensor::from_data((*p).clone(), (&device, dtype))).collect();
+                    parts.iter().map(|p| Tensor::from_data(p.to_data(), (&device, dtype))).collect();
                 return Ok(reduce_range(&tensors, 0..n, op));
             }
         };
@@ -339,21 +383,44 @@ fn host_range<B: Backend>(t: &Tensor<B, 1>, range: Range<usize>) -> TensorData {
     t.clone().slice(range).into_data()
 }
 
-/// `t` split into `chunks` equal host chunks (see [`host_range`]).
-fn host_chunks<B: Backend>(t: &Tensor<B, 1>, chunks: usize) -> Vec<TensorData> {
+/// `t` split into `chunks` equal host chunks: on Flex (float dtypes, contiguous) the tensor's
+/// own memory, shared with the peers, not copied; elsewhere copies (see [`host_range`]).
+fn host_chunks<B: Backend>(t: Tensor<B, 1>, chunks: usize) -> Vec<HostChunk> {
     let n = t.shape().num_elements() / chunks;
-    (0..chunks).map(|k| host_range(t, k * n..(k + 1) * n)).collect()
+    let t = match crate::downcast::cast::<FloatTensor<B>, FlexTensor>(t.into_primitive().tensor()) {
+        Ok(f) => {
+            let float = matches!(f.dtype(), DType::F64 | DType::F32 | DType::F16 | DType::BF16);
+            if let (true, Some((start, _))) = (float, f.layout().contiguous_offsets()) {
+                let size = f.dtype().size();
+                return (0..chunks)
+                    .map(|k| HostChunk::Flex {
+                        tensor: f.clone(),
+                        bytes: (start + k * n) * size..(start + (k + 1) * n) * size,
+                        n,
+                    })
+                    .collect();
+            }
+            Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(crate::downcast::must(
+                f,
+                "came from B's float tensor",
+            )))
+        }
+        Err(t) => Tensor::from_primitive(TensorPrimitive::Float(t)),
+    };
+    (0..chunks).map(|k| HostChunk::Copied(host_range(&t, k * n..(k + 1) * n))).collect()
 }
 
 /// The concatenation of `parts` (all of element type `E`) in one pre-sized vector.
-fn concat_as<E: Element>(parts: &[&TensorData]) -> TensorData {
-    let len: usize = parts.iter().map(|p| p.shape.num_elements()).sum();
+fn concat_as<E: Element + bytemuck::Pod>(parts: &[&HostChunk]) -> TensorData {
+    let len: usize = parts.iter().map(|p| p.num_elements()).sum();
     let mut out: Vec<E> = Vec::with_capacity(len);
     for p in parts {
-        match p.as_slice::<E>() {
+        match bytemuck::try_cast_slice::<u8, E>(p.as_bytes()) {
             Ok(s) => out.extend_from_slice(s),
-            // Misaligned bytes (never from a backend's `into_data`, but possible in principle).
-            Err(_) => out.extend(p.iter::<E>()),
+            // Misaligned bytes (never from a backend's memory, but possible in principle).
+            Err(_) => {
+                out.extend(p.as_bytes().chunks_exact(size_of::<E>()).map(bytemuck::pod_read_unaligned::<E>))
+            }
         }
     }
     TensorData::new(out, [len])
@@ -361,7 +428,7 @@ fn concat_as<E: Element>(parts: &[&TensorData]) -> TensorData {
 
 /// The concatenation of `parts` of dtype `dtype`, or `None` for dtypes without a plain
 /// element type (quantized, `Flex32`, bool), which the caller concatenates with backend ops.
-fn concat_host(parts: &[&TensorData], dtype: DType) -> Option<TensorData> {
+fn concat_host(parts: &[&HostChunk], dtype: DType) -> Option<TensorData> {
     Some(match dtype {
         DType::F64 => concat_as::<f64>(parts),
         DType::F32 => concat_as::<f32>(parts),
@@ -427,15 +494,14 @@ impl<B: Backend> ProcessGroup<B> for LocalGroup {
         let device = input.device();
         let (n, dtype) = (input.shape().num_elements(), input.dtype());
         let bytes = payload_bytes(&input);
-        let mine = vec![host_range(&input, 0..n)];
-        drop(input);
+        let mine = host_chunks(input, 1);
         let inputs = self.exchange(kind, tag, Arc::new(mine), bytes)?;
         let parts = self.host_parts(kind, tag, &inputs, 0, n, dtype)?;
         let data = match concat_host(&parts, dtype) {
             Some(data) => data,
             None => {
                 let tensors: Vec<Tensor<B, 1>> =
-                    parts.iter().map(|p| Tensor::from_data((*p).clone(), (&device, dtype))).collect();
+                    parts.iter().map(|p| Tensor::from_data(p.to_data(), (&device, dtype))).collect();
                 return Ok(Tensor::cat(tensors, 0));
             }
         };
@@ -734,6 +800,55 @@ mod tests {
         for (dtype, v, ag_dtype) in out {
             assert_eq!((dtype, ag_dtype), (DType::BF16, DType::BF16));
             assert_eq!(v, vec![2.0, 5.0]);
+        }
+    }
+
+    /// On Flex the ranks read each other's memory instead of copies of it: the same results
+    /// as NdArray (which copies), bit for bit, for inputs that start inside their buffer (a
+    /// slice) and inputs the caller still holds — whose values the collectives leave alone.
+    #[test]
+    fn flex_contributions_are_shared_not_copied_and_give_the_same_bits() {
+        type F = burn::backend::Flex<f32>;
+        fn run<X: Backend>(world: usize) -> Vec<Vec<Vec<f32>>> {
+            launch(world, Duration::from_secs(10), |g| {
+                let r = g.rank();
+                let dev = Default::default();
+                // 4 + 6·world values of mixed magnitudes; the input is a slice from element 4.
+                let all: Vec<f32> = (0..4 + 6 * world)
+                    .map(|i| ((i * 7 + r * 13) % 11) as f32 * 0.37 - 1.5 + r as f32 * 1e-3)
+                    .collect();
+                let n = all.len();
+                let full = Tensor::<X, 1>::from_data(TensorData::new(all, [n]), &dev);
+                let x = full.clone().slice(4..n);
+                let held = x.clone();
+                let v = |t: Tensor<X, 1>| t.into_data().convert::<f32>().to_vec::<f32>().unwrap();
+                let tag = Tag::new("flex");
+                let ag = v(ProcessGroup::<X>::all_gather(&*g, x.clone(), &tag)?);
+                let rs = v(ProcessGroup::<X>::reduce_scatter(&*g, x.clone(), ReduceOp::Sum, &tag)?);
+                let avg = v(ProcessGroup::<X>::reduce_scatter(&*g, x.clone(), ReduceOp::Avg, &tag)?);
+                let mut ar = ProcessGroup::<X>::all_reduce(&*g, x.clone(), ReduceOp::Max, &tag)?;
+                // Writing to a rank's result must not reach anyone else's.
+                ar = ar.add_scalar(r as f64);
+                ProcessGroup::<X>::barrier(&*g, &tag)?;
+                Ok::<_, CommError>(vec![ag, rs, avg, v(ar), v(held), v(full)])
+            })
+            .unwrap()
+        }
+        for world in [2usize, 3] {
+            let (flex, nd) = (run::<F>(world), run::<B>(world));
+            let bits = |v: &Vec<Vec<Vec<f32>>>| {
+                v.iter()
+                    .map(|r| {
+                        r.iter()
+                            .map(|x| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>())
+                            .collect::<Vec<_>>()
+                    })
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(bits(&flex), bits(&nd), "W={world}");
+            for (rank, out) in flex.iter().enumerate() {
+                assert_eq!(out[4], out[5][4..].to_vec(), "rank {rank}: the held input is unchanged");
+            }
         }
     }
 }
