@@ -43,6 +43,7 @@ pub mod io;
 pub mod optim;
 pub mod runner;
 pub mod tp;
+mod transpose;
 pub mod walk;
 
 // FSDP's parts at their earlier paths (`burn_fsdp::param`, `burn_fsdp::offload`, …).

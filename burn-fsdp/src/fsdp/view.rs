@@ -443,19 +443,11 @@ mod host {
                     break;
                 }
                 // Whole rows (a parameter is sharded by rows): element (row, c) of the
-                // parameter is `src[c · rows + row]`. Tiles of 32 × 32 keep both walks in cache.
+                // parameter is `src[c · rows + row]`.
                 let (row0, row1) = (elements.start / cols, elements.end / cols);
                 let base = r * unit_len + view.offset;
-                const TILE: usize = 32;
-                for t0 in (row0..row1).step_by(TILE) {
-                    for c0 in (0..cols).step_by(TILE) {
-                        for c in c0..(c0 + TILE).min(cols) {
-                            for row in t0..(t0 + TILE).min(row1) {
-                                dst[base + (row - row0) * cols + c] = src[c * rows + row];
-                            }
-                        }
-                    }
-                }
+                let place = &mut dst[base..base + (row1 - row0) * cols];
+                crate::transpose::transposed_rows(src, rows, cols, row0..row1, place);
             }
             Ok(buffer)
         }

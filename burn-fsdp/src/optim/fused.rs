@@ -127,7 +127,10 @@ pub(super) fn adamw<B: Backend>(
 pub(super) fn standard_layout<B: Backend, const D: usize>(grad: Tensor<B, D>) -> Tensor<B, D> {
     match cast::<FloatTensor<B>, FlexTensor>(grad.into_primitive().tensor()) {
         Ok(f) => {
-            let f = if f.layout().contiguous_offsets().is_some() { f } else { f.to_contiguous() };
+            let f = match f.layout().contiguous_offsets() {
+                Some(_) => f,
+                None => transposed_f32(&f).unwrap_or_else(|| f.to_contiguous()),
+            };
             Tensor::from_primitive(TensorPrimitive::Float(must::<FlexTensor, FloatTensor<B>>(
                 f,
                 "came from B's float tensor",
@@ -135,6 +138,23 @@ pub(super) fn standard_layout<B: Backend, const D: usize>(grad: Tensor<B, D>) ->
         }
         Err(t) => Tensor::from_primitive(TensorPrimitive::Float(t)),
     }
+}
+
+/// A Flex `f32` matrix in transposed layout (strides `[1, rows]` from the start of its memory)
+/// copied into standard layout with [`transposed_rows`](crate::transpose::transposed_rows);
+/// `None` for any other tensor.
+fn transposed_f32(t: &FlexTensor) -> Option<FlexTensor> {
+    let (rows, cols, 1, col_stride) = t.layout().as_2d_strides()? else { return None };
+    if t.dtype() != DType::F32 || col_stride != rows as isize || t.layout().start_offset() != 0 {
+        return None;
+    }
+    let src = t.storage::<f32>();
+    if src.len() < rows * cols {
+        return None;
+    }
+    let mut out = vec![0f32; rows * cols];
+    crate::transpose::transposed_rows(src, rows, cols, 0..rows, &mut out);
+    Some(FlexTensor::from_data(burn::tensor::TensorData::new(out, [rows, cols])))
 }
 
 thread_local! {
