@@ -129,15 +129,12 @@ impl HostElem for F16 {
 
 /// The fast path for f32 and f64 parts that are aligned (as a backend's host data is): the
 /// same operations in the same order on typed slices.
-fn fold_typed<T>(parts: &[&[u8]], op: ReduceOp, out: &mut Vec<u8>) -> bool
+fn fold_typed<T>(parts: &[&[u8]], op: ReduceOp) -> Option<Vec<T>>
 where
     T: bytemuck::Pod + std::ops::Add<Output = T> + std::ops::Div<Output = T> + PartialOrd + FromCount,
 {
-    let Ok(slices) =
-        parts.iter().map(|p| bytemuck::try_cast_slice::<u8, T>(p)).collect::<Result<Vec<_>, _>>()
-    else {
-        return false;
-    };
+    let slices =
+        parts.iter().map(|p| bytemuck::try_cast_slice::<u8, T>(p)).collect::<Result<Vec<_>, _>>().ok()?;
     let n = slices[0].len();
     let divisor = T::from_count(parts.len());
     let mut acc: Vec<T> = Vec::with_capacity(n);
@@ -158,8 +155,7 @@ where
             block.iter_mut().for_each(|a| *a = *a / divisor);
         }
     }
-    out.extend_from_slice(bytemuck::cast_slice(&acc));
-    true
+    Some(acc)
 }
 
 /// `n as T` for the divisor of a mean.
@@ -226,10 +222,18 @@ pub fn reduce_bytes(parts: &[&[u8]], dtype: DType, op: ReduceOp) -> Result<Vec<u
     if !len.is_multiple_of(dtype.size()) {
         return Err(format!("{len} bytes are not a whole number of {dtype:?} elements"));
     }
+    if cfg!(target_endian = "little") {
+        let typed = match dtype {
+            DType::F32 => fold_typed::<f32>(parts, op).map(|acc| bytemuck::cast_slice(&acc).to_vec()),
+            DType::F64 => fold_typed::<f64>(parts, op).map(|acc| bytemuck::cast_slice(&acc).to_vec()),
+            _ => None,
+        };
+        if let Some(bytes) = typed {
+            return Ok(bytes);
+        }
+    }
     let mut out = Vec::with_capacity(len);
     match dtype {
-        DType::F32 if cfg!(target_endian = "little") && fold_typed::<f32>(parts, op, &mut out) => {}
-        DType::F64 if cfg!(target_endian = "little") && fold_typed::<f64>(parts, op, &mut out) => {}
         DType::F32 => fold::<F32>(parts, op, &mut out),
         DType::F64 => fold::<F64>(parts, op, &mut out),
         DType::BF16 => fold::<Bf16>(parts, op, &mut out),
@@ -237,6 +241,24 @@ pub fn reduce_bytes(parts: &[&[u8]], dtype: DType, op: ReduceOp) -> Result<Vec<u
         other => return Err(format!("cannot reduce tensors of dtype {other:?}")),
     }
     Ok(out)
+}
+
+/// [`reduce_bytes`] as tensor data of `n` elements: aligned `f32`/`f64` parts are reduced
+/// straight into the tensor's own vector (`TensorData::from_bytes_vec` would copy a byte
+/// vector once more, into memory of the alignment a backend wants).
+pub fn reduce_to_data(parts: &[&[u8]], dtype: DType, op: ReduceOp, n: usize) -> Result<TensorData, String> {
+    let whole = !parts.is_empty() && parts.iter().all(|p| p.len() == n * dtype.size());
+    if cfg!(target_endian = "little") && whole {
+        let data = match dtype {
+            DType::F32 => fold_typed::<f32>(parts, op).map(|acc| TensorData::new(acc, [n])),
+            DType::F64 => fold_typed::<f64>(parts, op).map(|acc| TensorData::new(acc, [n])),
+            _ => None,
+        };
+        if let Some(data) = data {
+            return Ok(data);
+        }
+    }
+    reduce_bytes(parts, dtype, op).map(|bytes| TensorData::from_bytes_vec(bytes, [n], dtype))
 }
 
 #[cfg(test)]
@@ -263,6 +285,28 @@ mod tests {
         assert_eq!(back(&avg)[1], 2.0);
         let max = reduce_bytes(&[&a, &b, &c], DType::F32, ReduceOp::Max).unwrap();
         assert_eq!(back(&max), vec![1e8, 3.0]);
+    }
+
+    /// `reduce_to_data` gives `reduce_bytes`'s bytes as tensor data, for aligned and misaligned
+    /// parts, f32 and bf16, and reports the same errors.
+    #[test]
+    fn reduce_to_data_equals_reduce_bytes() {
+        let a = f32s(&(0..300).map(|i| i as f32 * 0.1 - 7.0).collect::<Vec<_>>());
+        let b = f32s(&(0..300).map(|i| 1e6 / (i as f32 + 1.0)).collect::<Vec<_>>());
+        let mut shifted = vec![0u8; a.len() + 1];
+        shifted[1..].copy_from_slice(&a);
+        for parts in [[&a[..], &b[..]], [&shifted[1..], &b[..]]] {
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+                let bytes = reduce_bytes(&parts, DType::F32, op).unwrap();
+                let data = reduce_to_data(&parts, DType::F32, op, 300).unwrap();
+                assert_eq!((data.as_bytes(), data.shape.clone()), (&bytes[..], vec![300].into()), "{op:?}");
+            }
+        }
+        let h: Vec<u8> = (0..8u8).collect();
+        let data = reduce_to_data(&[&h, &h], DType::BF16, ReduceOp::Sum, 4).unwrap();
+        assert_eq!(data.as_bytes(), &reduce_bytes(&[&h, &h], DType::BF16, ReduceOp::Sum).unwrap()[..]);
+        assert!(reduce_to_data(&[], DType::F32, ReduceOp::Sum, 0).is_err(), "nothing to reduce");
+        assert!(reduce_to_data(&[&a, &b[..8]], DType::F32, ReduceOp::Sum, 300).is_err(), "unequal parts");
     }
 
     #[test]

@@ -355,8 +355,8 @@ impl LocalGroup {
         let pick = if scatter { self.rank } else { 0 };
         let parts = self.host_parts(kind, tag, &inputs, pick, n, dtype)?;
         let bytes: Vec<&[u8]> = parts.iter().map(|p| p.as_bytes()).collect();
-        let data = match crate::comm::host::reduce_bytes(&bytes, dtype, op) {
-            Ok(bytes) => TensorData::from_bytes_vec(bytes, [n], dtype),
+        let data = match crate::comm::host::reduce_to_data(&bytes, dtype, op, n) {
+            Ok(data) => data,
             Err(_) => {
                 let tensors: Vec<Tensor<B, 1>> =
                     parts.iter().map(|p| Tensor::from_data(p.to_data(), (&device, dtype))).collect();

@@ -218,7 +218,7 @@ mod host {
     use burn::backend::ndarray::{NdArrayTensor, SharedArray};
     use burn::tensor::backend::Backend;
     use burn::tensor::ops::FloatTensor;
-    use burn::tensor::{DType, Element, Shape, TensorData};
+    use burn::tensor::{DType, Element, TensorData};
 
     use super::ParamView;
     use crate::downcast::{cast, must};
@@ -392,7 +392,10 @@ mod host {
         buffer: Option<FlexTensor>,
         n: usize,
     ) -> Result<FlexTensor, Option<FlexTensor>> {
-        let buffer = buffer.unwrap_or_else(|| FlexTensor::zeros(Shape::new([n]), E::dtype()));
+        // A zero vector handed over as it is (`FlexTensor::zeros` makes a byte vector and
+        // then copies it into aligned memory: a second pass over the unit's size).
+        let buffer =
+            buffer.unwrap_or_else(|| FlexTensor::from_data(TensorData::new(vec![E::from_elem(0.0); n], [n])));
         if buffer.dtype() != E::dtype() || buffer.layout().contiguous_offsets() != Some((0, n)) {
             return Err(Some(buffer));
         }

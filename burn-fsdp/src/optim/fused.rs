@@ -47,10 +47,17 @@ fn element(p: f32, g: f32, m: f32, v: f32, k: &Scalars) -> (f32, f32, f32) {
     (p - (m / denom) * k.step_size, m, v)
 }
 
-/// A flat `f32` Flex tensor of `n` elements owned here (copied when shared or not flat).
+/// A flat `f32` Flex tensor of `n` elements owned here (copied when shared or not flat: once,
+/// into a vector handed over as it is — `into_data` of a shared tensor copies twice).
 fn owned(t: FlexTensor, n: usize) -> FlexTensor {
     let flat = t.is_unique() && t.layout().contiguous_offsets() == Some((0, n));
-    if flat { t } else { FlexTensor::from_data(t.into_data()) }
+    if flat {
+        return t;
+    }
+    match t.as_slice::<f32>() {
+        Some(s) => FlexTensor::from_data(burn::tensor::TensorData::new(s.to_vec(), [s.len()])),
+        None => FlexTensor::from_data(t.into_data()),
+    }
 }
 
 /// `t` as a Flex tensor of `f32` in standard layout, or `t` back.
