@@ -245,7 +245,7 @@ fn sq_sum<B: Backend, const D: usize>(g: Tensor<B, D>) -> Tensor<B, 1> {
 
 /// Puts every gradient of `module` in `grads` into standard layout where it is not (Flex:
 /// see `fused::standard_layout`), so that the norm and the optimizer read it as it lies.
-fn standard_layout_grads<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+pub(crate) fn standard_layout_grads<AB: AutodiffBackend, M: AutodiffModule<AB>>(
     module: &M,
     grads: &mut GradientsParams,
 ) {

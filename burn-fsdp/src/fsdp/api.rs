@@ -21,7 +21,9 @@ use crate::fsdp::param::ShardedParam;
 use crate::fsdp::prefetch::{PrefetchStats, Prefetcher};
 use crate::fsdp::unit::FsdpUnit;
 use crate::fsdp::view::{ParamView, ViewGroup};
-use crate::optim::{TorchAdamW, clip_coefficient, grad_sq_sum, grad_sq_sum_split, scale_grads};
+use crate::optim::{
+    TorchAdamW, clip_coefficient, grad_sq_sum, grad_sq_sum_split, scale_grads, standard_layout_grads,
+};
 use crate::runner::UnitRunner;
 use crate::walk::{deferred_shape, describe_float_tensors, describe_params};
 
@@ -820,7 +822,10 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         self.quiesce();
         let local = match &self.host {
             Some(host) => host.grad_sq_sum(),
-            None => grad_sq_sum::<B, M>(&self.module, grads),
+            None => {
+                standard_layout_grads::<B, M>(&self.module, grads);
+                grad_sq_sum::<B, M>(&self.module, grads)
+            }
         };
         // Over the shard group only: with HSDP every replica holds the same reduced gradients.
         let total = if self.world() == 1 {
@@ -865,6 +870,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         if self.host.is_some() {
             return Err(FsdpError::Config("CPU offload is not supported with tensor parallelism".into()));
         }
+        standard_layout_grads::<B, M>(&self.module, grads);
         let (split, rest) = grad_sq_sum_split::<B, M>(&self.module, grads, |id| tp.is_split(id));
         let device = self.mesh.device();
         let mut sums = Tensor::<B::InnerBackend, 1>::from_data(
