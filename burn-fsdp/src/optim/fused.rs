@@ -127,7 +127,8 @@ pub(super) fn adamw<B: Backend>(
 
 /// `grad` in standard layout: on Flex a gradient in another layout (a linear layer's weight
 /// gradient comes out of Flex's matmul backward transposed, strides `[1, rows]`) is copied once
-/// with Flex's own tiled copy; anything else comes back as it is. Both readers of a gradient
+/// (a transposed `f32` matrix with [`transposed_rows`](crate::transpose::transposed_rows), other
+/// layouts with Flex's `to_contiguous`); anything else comes back as it is. Both readers of a gradient
 /// after backward — the global norm's sum of squares and the optimizer — would otherwise
 /// each make that transposing pass on their own (on the benchmark model, ~7 % of a
 /// single-device step for the two).
