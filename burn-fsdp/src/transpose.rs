@@ -4,6 +4,21 @@
 
 use std::ops::Range;
 
+use burn::backend::flex::FlexTensor;
+use burn::tensor::Element;
+
+/// A Flex matrix stored column by column from the start of its memory — strides `[1, rows]`,
+/// offset 0, as Flex's matmul backward leaves a weight gradient — as its `[rows, cols]` and
+/// its elements of type `E`; `None` for any other tensor or element type.
+pub(crate) fn flex_column_major<E: Element + bytemuck::Pod>(t: &FlexTensor) -> Option<([usize; 2], &[E])> {
+    let (rows, cols, 1, col_stride) = t.layout().as_2d_strides()? else { return None };
+    if t.dtype() != E::dtype() || col_stride != rows as isize || t.layout().start_offset() != 0 {
+        return None;
+    }
+    let src = t.storage::<E>();
+    (src.len() >= rows * cols).then_some(([rows, cols], src))
+}
+
 /// Writes rows `rows` of the `[n_rows, cols]` matrix that `src` holds column by column
 /// (element `(row, c)` at `src[c · n_rows + row]`) into `dst`, row after row
 /// (`dst.len() == rows.len() · cols`).

@@ -414,30 +414,20 @@ mod host {
         world: usize,
         unit_len: usize,
     ) -> Result<FlexTensor, Option<FlexTensor>> {
-        let [rows, cols] = match view.param.global_shape[..] {
-            [rows, cols] => [rows, cols],
-            _ => return Err(buffer),
-        };
-        let layout = grad.layout();
-        let fits = layout.as_2d_strides() == Some((rows, cols, 1, rows as isize))
-            && layout.start_offset() == 0
-            && rows > 1
-            && cols > 1;
-        if !fits {
-            return Err(buffer);
-        }
         fn typed<E: Element + bytemuck::Pod>(
             view: &ParamView,
-            src: &[E],
-            [rows, cols]: [usize; 2],
+            grad: &FlexTensor,
             buffer: Option<FlexTensor>,
             world: usize,
             unit_len: usize,
         ) -> Result<FlexTensor, Option<FlexTensor>> {
-            let n = world * unit_len;
-            if src.len() < rows * cols {
+            let Some(([rows, cols], src)) = crate::transpose::flex_column_major::<E>(grad) else {
+                return Err(buffer);
+            };
+            if view.param.global_shape[..] != [rows, cols] || rows < 2 || cols < 2 {
                 return Err(buffer);
             }
+            let n = world * unit_len;
             let mut buffer = unit_buffer::<E>(buffer, n)?;
             let dst = &mut buffer.storage_mut::<E>()[..n];
             for r in 0..world {
@@ -455,8 +445,8 @@ mod host {
             Ok(buffer)
         }
         match grad.dtype() {
-            DType::F32 => typed(view, grad.storage::<f32>(), [rows, cols], buffer, world, unit_len),
-            DType::F64 => typed(view, grad.storage::<f64>(), [rows, cols], buffer, world, unit_len),
+            DType::F32 => typed::<f32>(view, grad, buffer, world, unit_len),
+            DType::F64 => typed::<f64>(view, grad, buffer, world, unit_len),
             _ => Err(buffer),
         }
     }

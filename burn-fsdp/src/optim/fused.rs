@@ -152,14 +152,7 @@ pub(super) fn standard_layout<B: Backend, const D: usize>(grad: Tensor<B, D>) ->
 /// copied into standard layout with [`transposed_rows`](crate::transpose::transposed_rows);
 /// `None` for any other tensor.
 fn transposed_f32(t: &FlexTensor) -> Option<FlexTensor> {
-    let (rows, cols, 1, col_stride) = t.layout().as_2d_strides()? else { return None };
-    if t.dtype() != DType::F32 || col_stride != rows as isize || t.layout().start_offset() != 0 {
-        return None;
-    }
-    let src = t.storage::<f32>();
-    if src.len() < rows * cols {
-        return None;
-    }
+    let ([rows, cols], src) = crate::transpose::flex_column_major::<f32>(t)?;
     let mut out = vec![0f32; rows * cols];
     crate::transpose::transposed_rows(src, rows, cols, 0..rows, &mut out);
     Some(FlexTensor::from_data(burn::tensor::TensorData::new(out, [rows, cols])))
