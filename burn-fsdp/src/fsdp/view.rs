@@ -681,7 +681,7 @@ mod tests {
             }
             // A transposed gradient (as a matmul's backward makes a weight gradient): read in
             // place on Flex, with the generic path's values; on NdArray left to the generic path.
-            // 70 × 37 leaves partial 32 × 32 tiles, and rank rows that start mid-tile.
+            // 70 × 37 leaves partial 16 × 16 tiles, and rank rows that start mid-tile.
             for [rows, cols] in [[7, 5], [70, 37]] {
                 let param = ShardedParam::new(ParamId::new(), "t".into(), vec![rows, cols], world);
                 let unit_len = other.param.shard_numel() + param.shard_numel();
