@@ -100,11 +100,9 @@ pub fn launch_local(args: &TrainArgs, raw: &[String]) -> Result<()> {
     }
     let timeout = args.collective_timeout()? + Duration::from_secs(5);
     let mut status: Vec<Option<std::process::ExitStatus>> = vec![None; world];
-    let mut first_failure: Option<(usize, Instant)> = None;
+    // Failures in the order seen, with when: (rank, killed by a signal, seen at).
+    let mut failures: Vec<(usize, bool, Instant)> = Vec::new();
     loop {
-        // Failures seen in one pass count as simultaneous: a rank killed by a signal is then
-        // named first, since the others' errors are most likely their reaction to losing it.
-        let mut failed_now: Vec<(usize, bool)> = Vec::new();
         for (rank, child) in children.iter_mut().enumerate() {
             if status[rank].is_none()
                 && let Ok(Some(s)) = child.try_wait()
@@ -112,20 +110,14 @@ pub fn launch_local(args: &TrainArgs, raw: &[String]) -> Result<()> {
                 status[rank] = Some(s);
                 if !s.success() {
                     use std::os::unix::process::ExitStatusExt;
-                    failed_now.push((rank, s.signal().is_some()));
+                    failures.push((rank, s.signal().is_some(), Instant::now()));
                 }
             }
-        }
-        if first_failure.is_none()
-            && let Some(&(rank, _)) =
-                failed_now.iter().find(|(_, signalled)| *signalled).or(failed_now.first())
-        {
-            first_failure = Some((rank, Instant::now()));
         }
         if status.iter().all(Option::is_some) {
             break;
         }
-        if let Some((_, at)) = first_failure
+        if let Some(&(_, _, at)) = failures.first()
             && at.elapsed() > timeout
         {
             // The others should have noticed; don't leave them behind.
@@ -133,7 +125,7 @@ pub fn launch_local(args: &TrainArgs, raw: &[String]) -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    if let Some((rank, _)) = first_failure {
+    if let Some(rank) = first_failed(&failures) {
         let codes: Vec<String> = status
             .iter()
             .enumerate()
@@ -148,6 +140,21 @@ pub fn launch_local(args: &TrainArgs, raw: &[String]) -> Result<()> {
     }
     Ok(())
 }
+
+/// The rank whose failure started it all. The others fail because they lost it, a moment
+/// later — or, on a busy machine, a moment *before* its exit status can be read: a process's
+/// sockets close before its parent can reap it. So failures seen within [`SETTLE`] of the
+/// first count as simultaneous, and of those a rank killed by a signal is named first (the
+/// others' errors are most likely their reaction to losing it; ranks this launcher kills
+/// after the timeout come later than that).
+fn first_failed(failures: &[(usize, bool, Instant)]) -> Option<usize> {
+    let &(first, _, at) = failures.first()?;
+    let soon = failures.iter().take_while(|f| f.2.duration_since(at) <= SETTLE);
+    Some(soon.clone().find(|f| f.1).map_or(first, |f| f.0))
+}
+
+/// How close together failures count as one event (see [`first_failed`]).
+const SETTLE: Duration = Duration::from_secs(1);
 
 fn kill_all(children: &mut [Child]) {
     for c in children.iter_mut() {
@@ -295,5 +302,23 @@ impl EnvJob {
         bail!(
             "--device cuda-proxy needs xtask built with `--features cuda` (NCCL through cudarc, loaded at run time)"
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rank_killed_by_a_signal_is_named_over_errors_seen_just_before_it() {
+        let t = Instant::now();
+        let ms = |m| t + Duration::from_millis(m);
+        // Rank 1 reacted to losing rank 2 before rank 2 could be reaped.
+        assert_eq!(first_failed(&[(1, false, ms(0)), (3, false, ms(0)), (2, true, ms(20))]), Some(2));
+        // Nobody was killed: the first error is the first failure.
+        assert_eq!(first_failed(&[(3, false, ms(0)), (1, false, ms(40))]), Some(3));
+        // Ranks killed long after the first failure (the launcher's own kill) are not it.
+        assert_eq!(first_failed(&[(0, false, ms(0)), (1, true, ms(25_000))]), Some(0));
+        assert_eq!(first_failed(&[]), None);
     }
 }

@@ -85,7 +85,10 @@ fn main() {
         }),
     };
     if let Err(e) = result {
-        eprintln!("error: {e:#}");
+        // One write for the whole line: the ranks of a job share this stderr, and pieces
+        // written separately interleave with theirs.
+        use std::io::Write;
+        let _ = std::io::stderr().write_all(format!("error: {e:#}\n").as_bytes());
         std::process::exit(1);
     }
 }

@@ -327,9 +327,12 @@ impl Hub {
             return;
         }
         let frame = failed_frame(rank, reason);
-        for (r, out) in self.outlets.iter_mut().enumerate() {
+        // The other processes first, rank 0's own link last: once rank 0 hears of the failure
+        // its process may end, and with it this thread, before a later peer was told.
+        let n = self.outlets.len();
+        for r in (1..n).chain(0..n.min(1)) {
             if !self.left[r] {
-                out.send(&frame);
+                self.outlets[r].send(&frame);
             }
         }
         self.rounds.clear();
@@ -510,6 +513,24 @@ impl Link {
             ));
         }
         self.cv.notify_all();
+    }
+
+    /// A request could not be sent: the connection to rank 0 is gone. What rank 0 sent
+    /// before it went (most likely why it went: another rank's failure) may still be on its
+    /// way through the reader, which reports the loss itself once it has read everything;
+    /// give it a moment before reporting the loss here.
+    fn send_failed(&self) {
+        let deadline = Instant::now() + self.timeout.min(Duration::from_secs(2));
+        let mut inbox = self.inbox();
+        while inbox.failed.is_none() {
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
+            inbox = self.cv.wait_timeout(inbox, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+        }
+        drop(inbox);
+        self.hub_lost();
     }
 
     /// Waits for the response to `(gid, seq)`.
@@ -886,7 +907,7 @@ impl TcpGroup {
             data,
         };
         if !self.link.send(&req.encode()) {
-            self.link.hub_lost();
+            self.link.send_failed();
         }
         self.link.wait((self.gid, seq), ckind, tag, self.rank)
     }
