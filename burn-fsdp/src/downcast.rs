@@ -19,3 +19,41 @@ pub(crate) fn must<S: 'static, T: 'static>(value: S, checked: &str) -> T {
         Err(_) => unreachable!("{checked}"),
     }
 }
+
+/// `t` reshaped to `shape`, sharing its memory where Burn would copy: Flex copies a
+/// contiguous tensor that starts past the beginning of its buffer (a `narrow` of a flat
+/// gradient) on every `reshape`; here it becomes a view at the same offset. Any other tensor
+/// goes through Burn's `reshape`. Same values either way.
+pub(crate) fn reshape_shared<B: burn::tensor::backend::Backend, const D: usize>(
+    t: burn::tensor::Tensor<B, 1>,
+    shape: burn::tensor::Shape,
+) -> burn::tensor::Tensor<B, D> {
+    use burn::backend::flex::{FlexTensor, Layout};
+    use burn::tensor::{Tensor, TensorPrimitive, ops::FloatTensor};
+    if t.shape().num_elements() != shape.num_elements() || shape.num_dims() != D {
+        return t.reshape(shape);
+    }
+    let prim = match t.into_primitive() {
+        TensorPrimitive::Float(p) => p,
+        q => return Tensor::<B, 1>::from_primitive(q).reshape(shape),
+    };
+    let prim = match cast::<FloatTensor<B>, FlexTensor>(prim) {
+        Ok(f) => match f.layout().contiguous_offsets() {
+            Some((start, _)) => {
+                let mut strides = vec![1isize; D];
+                for d in (0..D.saturating_sub(1)).rev() {
+                    strides[d] = strides[d + 1] * shape[d + 1] as isize;
+                }
+                let (data, dtype) = (f.data_arc(), f.dtype());
+                let view = FlexTensor::from_arc(data, Layout::new(shape, strides, start), dtype);
+                return Tensor::from_primitive(TensorPrimitive::Float(must(
+                    view,
+                    "B's float tensor is Flex",
+                )));
+            }
+            None => must::<FlexTensor, FloatTensor<B>>(f, "came from B's float tensor"),
+        },
+        Err(p) => p,
+    };
+    Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(prim)).reshape(shape)
+}

@@ -145,6 +145,11 @@ struct Round {
     inputs: Vec<Option<Payload>>,
     arrived: usize,
     left: usize,
+    /// [`LocalGroup::exchange_shared`]: the rank that completed the arrivals, whether a
+    /// rank is making the result, and the result once made.
+    last: usize,
+    making: bool,
+    output: Option<Payload>,
 }
 
 #[derive(Default)]
@@ -224,36 +229,8 @@ impl LocalGroup {
         input: Payload,
         bytes: u64,
     ) -> Result<Vec<Payload>, CommError> {
-        self.counters.record(kind, bytes);
-        let seq = self.next_seq();
+        let (seq, mut st) = self.arrive(kind, tag, input, bytes)?;
         let size = self.shared.size;
-        let mut st = self.shared.lock();
-        if let Some((failed_rank, reason)) = &st.aborted {
-            return Err(self.peer_failed(kind, tag, *failed_rank, reason));
-        }
-        let round = st.rounds.entry(seq).or_insert_with(|| Round {
-            kind,
-            tag: tag.clone(),
-            first_rank: self.rank,
-            inputs: vec![None; size],
-            arrived: 0,
-            left: 0,
-        });
-        if round.kind != kind || round.tag != *tag {
-            let err = CommError::Mismatch {
-                seq,
-                rank: self.rank,
-                mine: format!("{kind} `{tag}`"),
-                other_rank: round.first_rank,
-                theirs: format!("{} `{}`", round.kind, round.tag),
-            };
-            st.aborted = Some((self.rank, err.to_string()));
-            self.shared.cv.notify_all();
-            return Err(err);
-        }
-        round.inputs[self.rank] = Some(input);
-        round.arrived += 1;
-        self.shared.cv.notify_all();
         let _waiting = Waiting(kind, Instant::now());
         let deadline = Instant::now() + self.shared.timeout;
         loop {
@@ -270,22 +247,148 @@ impl LocalGroup {
                 }
                 return Ok(inputs);
             }
-            let now = Instant::now();
-            if now >= deadline {
-                let missing =
-                    round.inputs.iter().enumerate().filter(|(_, i)| i.is_none()).map(|(r, _)| r).collect();
-                let err = CommError::Timeout {
-                    kind,
-                    tag: tag.clone(),
-                    rank: self.rank,
-                    missing,
-                    timeout: self.shared.timeout,
-                };
-                st.aborted = Some((self.rank, err.to_string()));
-                self.shared.cv.notify_all();
-                return Err(err);
+            st = self.wait_or_time_out(st, seq, kind, tag, deadline)?;
+        }
+    }
+
+    /// Deposits `input` for this rank's next collective; returns its sequence number, with
+    /// the state still locked.
+    fn arrive(
+        &self,
+        kind: CollectiveKind,
+        tag: &Tag,
+        input: Payload,
+        bytes: u64,
+    ) -> Result<(u64, MutexGuard<'_, State>), CommError> {
+        self.counters.record(kind, bytes);
+        let seq = self.next_seq();
+        let size = self.shared.size;
+        let mut st = self.shared.lock();
+        if let Some((failed_rank, reason)) = &st.aborted {
+            return Err(self.peer_failed(kind, tag, *failed_rank, reason));
+        }
+        let round = st.rounds.entry(seq).or_insert_with(|| Round {
+            kind,
+            tag: tag.clone(),
+            first_rank: self.rank,
+            inputs: vec![None; size],
+            arrived: 0,
+            left: 0,
+            last: 0,
+            making: false,
+            output: None,
+        });
+        if round.kind != kind || round.tag != *tag {
+            let err = CommError::Mismatch {
+                seq,
+                rank: self.rank,
+                mine: format!("{kind} `{tag}`"),
+                other_rank: round.first_rank,
+                theirs: format!("{} `{}`", round.kind, round.tag),
+            };
+            st.aborted = Some((self.rank, err.to_string()));
+            self.shared.cv.notify_all();
+            return Err(err);
+        }
+        round.inputs[self.rank] = Some(input);
+        round.arrived += 1;
+        round.last = self.rank;
+        self.shared.cv.notify_all();
+        Ok((seq, st))
+    }
+
+    /// Waits for a change of the state until `deadline`; past it, the group is aborted with
+    /// a timeout naming the ranks that have not arrived at round `seq`.
+    fn wait_or_time_out<'a>(
+        &self,
+        st: MutexGuard<'a, State>,
+        seq: u64,
+        kind: CollectiveKind,
+        tag: &Tag,
+        deadline: Instant,
+    ) -> Result<MutexGuard<'a, State>, CommError> {
+        let now = Instant::now();
+        if now < deadline {
+            return Ok(self.shared.cv.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0);
+        }
+        let mut st = st;
+        let missing = st
+            .rounds
+            .get(&seq)
+            .map(|round| {
+                round.inputs.iter().enumerate().filter(|(_, i)| i.is_none()).map(|(r, _)| r).collect()
+            })
+            .unwrap_or_default();
+        let err = CommError::Timeout {
+            kind,
+            tag: tag.clone(),
+            rank: self.rank,
+            missing,
+            timeout: self.shared.timeout,
+        };
+        st.aborted = Some((self.rank, err.to_string()));
+        self.shared.cv.notify_all();
+        Err(err)
+    }
+
+    /// [`exchange`](Self::exchange) whose result is made once for all ranks: when every input
+    /// is in, one rank that was waiting for them runs `make` on them (outside the lock) and
+    /// every rank returns that one result. The rank that arrived last, the one behind, never
+    /// makes it (a group has at least two ranks here). A failing `make` aborts the group.
+    fn exchange_shared(
+        &self,
+        kind: CollectiveKind,
+        tag: &Tag,
+        input: Payload,
+        bytes: u64,
+        make: impl FnOnce(&[Payload]) -> Result<Payload, CommError>,
+    ) -> Result<Payload, CommError> {
+        let (seq, mut st) = self.arrive(kind, tag, input, bytes)?;
+        let size = self.shared.size;
+        let _waiting = Waiting(kind, Instant::now());
+        let deadline = Instant::now() + self.shared.timeout;
+        let mut make = Some(make);
+        loop {
+            if let Some((failed_rank, reason)) = &st.aborted {
+                return Err(self.peer_failed(kind, tag, *failed_rank, reason));
             }
-            st = self.shared.cv.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+            let round =
+                st.rounds.get_mut(&seq).ok_or_else(|| self.bad(kind, tag, "round vanished".into()))?;
+            if let Some(output) = &round.output {
+                let output = output.clone();
+                round.left += 1;
+                if round.left == size {
+                    st.rounds.remove(&seq);
+                }
+                return Ok(output);
+            }
+            if round.arrived == size
+                && !round.making
+                && round.last != self.rank
+                && let Some(make) = make.take()
+            {
+                round.making = true;
+                let inputs: Vec<Payload> = round.inputs.iter().flatten().cloned().collect();
+                drop(st);
+                let made = make(&inputs);
+                drop(inputs);
+                st = self.shared.lock();
+                match made {
+                    Ok(output) => {
+                        if let Some(round) = st.rounds.get_mut(&seq) {
+                            round.output = Some(output);
+                        }
+                        self.shared.cv.notify_all();
+                    }
+                    Err(err) => {
+                        st.aborted.get_or_insert((self.rank, err.to_string()));
+                        self.shared.cv.notify_all();
+                        return Err(err);
+                    }
+                }
+                continue;
+            }
+            st = self.wait_or_time_out(st, seq, kind, tag, deadline)?;
         }
     }
 
@@ -365,6 +468,11 @@ impl LocalGroup {
         };
         Ok(Tensor::from_data(data, (&device, dtype)))
     }
+}
+
+/// Whether `B`'s float tensors are Flex tensors (whose memory in-process ranks can share).
+fn is_flex<B: Backend>() -> bool {
+    std::any::TypeId::of::<FloatTensor<B>>() == std::any::TypeId::of::<FlexTensor>()
 }
 
 fn payload_bytes<B: Backend>(t: &Tensor<B, 1>) -> u64 {
@@ -495,6 +603,20 @@ impl<B: Backend> ProcessGroup<B> for LocalGroup {
         let (n, dtype) = (input.shape().num_elements(), input.dtype());
         let bytes = payload_bytes(&input);
         let mine = host_chunks(input, 1);
+        if is_flex::<B>() && concat_host(&[], dtype).is_some() {
+            // Every rank's result is the same: one rank concatenates, all share its memory
+            // (read-only for them: Flex copies a shared buffer before writing into it).
+            let out = self.exchange_shared(kind, tag, Arc::new(mine), bytes, |inputs| {
+                let parts = self.host_parts(kind, tag, inputs, 0, n, dtype)?;
+                let data = concat_host(&parts, dtype).ok_or_else(|| self.bad(kind, tag, "dtype".into()))?;
+                Ok(Arc::new(FlexTensor::from_data(data)) as Payload)
+            })?;
+            let Some(flex) = out.downcast_ref::<FlexTensor>() else {
+                return Err(self.bad(kind, tag, "the shared result is not a Flex tensor".into()));
+            };
+            let prim = crate::downcast::must::<FlexTensor, FloatTensor<B>>(flex.clone(), "B is Flex");
+            return Ok(Tensor::from_primitive(TensorPrimitive::Float(prim)));
+        }
         let inputs = self.exchange(kind, tag, Arc::new(mine), bytes)?;
         let parts = self.host_parts(kind, tag, &inputs, 0, n, dtype)?;
         let data = match concat_host(&parts, dtype) {

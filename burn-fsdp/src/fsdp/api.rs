@@ -744,7 +744,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
                 let Some(piece) = self.pieces.remove(&param.id) else { return };
                 let shard = param.val();
                 let piece = if piece.dtype() == shard.dtype() { piece } else { piece.cast(shard.dtype()) };
-                let mut g: Tensor<B::InnerBackend, D> = piece.reshape(shard.shape());
+                let mut g: Tensor<B::InnerBackend, D> = crate::downcast::reshape_shared(piece, shard.shape());
                 if let Some(earlier) = self.grads.remove::<B::InnerBackend, D>(param.id) {
                     g = g + earlier;
                 }
