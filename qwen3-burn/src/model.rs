@@ -16,13 +16,27 @@ use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
-use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
 use burn_fsdp::runner::{Direct, ModuleHooks, NoHooks, UnitRunner};
 
 use crate::config::Qwen3Config;
 use crate::init::{INIT_STD, Qwen3Init};
 
 // ───────────────────────────── building blocks ─────────────────────────────
+
+/// `x`, unchanged, kept for backward rather than recomputed.
+///
+/// Under Burn's balanced checkpointing (what a sharded model trains under when its layers
+/// reshard after forward) the result of a memory-bound op that backward needs — a `reshape`
+/// that copies, an elementwise op — is not kept but made again from its nearest kept
+/// ancestors. A cast to the tensor's own dtype is a compute-bound op whose result *is* kept,
+/// and costs nothing: every backend hands the tensor back as it is. (`Tensor::cast` skips
+/// such a cast, so the backend op is called directly.) Without autodiff, or without
+/// checkpointing, this changes nothing.
+fn kept<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    let dtype = x.dtype().into();
+    Tensor::from_primitive(TensorPrimitive::Float(B::float_cast(x.into_primitive().tensor(), dtype)))
+}
 
 /// A bias-free linear layer with the weight stored as PyTorch does, `[out, in]`.
 ///
@@ -290,7 +304,9 @@ impl<B: Backend> Attention<B> {
         let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: true };
         let out = attention(f32(q), f32(k), f32(v), None, None, options);
         let out = if dtype == DType::F32 { out } else { out.cast(dtype) };
-        let out = out.swap_dims(1, 2).reshape([b, t, heads * hd]);
+        // [b, heads, t, hd] → [b, t, heads · hd]: a strided copy. `o_proj`'s backward needs
+        // its result; keep it rather than copy again (see `kept`).
+        let out = kept(out.swap_dims(1, 2).reshape([b, t, heads * hd]));
         self.o_proj.forward(out)
     }
 }
