@@ -291,7 +291,11 @@ impl<B: Backend> Attention<B> {
             if rep == 1 {
                 y
             } else {
-                y.unsqueeze_dim::<5>(2).expand([b, kv_heads, rep, s, hd]).reshape([b, heads, s, hd])
+                // Each key/value head once per query head of its group, copied in runs of
+                // `hd` values from the `[b, s, kv_heads, hd]` layout the projection made (an
+                // `expand` to `[b, kv_heads, rep, s, hd]` is copied value by value).
+                let y = y.swap_dims(1, 2).unsqueeze_dim::<5>(3).repeat_dim(3, rep);
+                y.reshape([b, s, heads, hd]).swap_dims(1, 2)
             }
         };
         let (k, v) = (repeat(k), repeat(v));
