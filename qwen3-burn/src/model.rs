@@ -12,7 +12,7 @@
 //! decoder layer runs through a [`UnitRunner`], which FSDP uses to gather the layer's shards.
 
 use burn::module::{Module, Param};
-use burn::tensor::activation::silu;
+use burn::tensor::activation::sigmoid;
 use burn::tensor::backend::Backend;
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
@@ -334,7 +334,11 @@ pub struct Mlp<B: Backend> {
 impl<B: Backend> Mlp<B> {
     /// Applies the MLP.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        self.down_proj.forward(silu(self.gate_proj.forward(x.clone())) * self.up_proj.forward(x))
+        // silu(g) = g · σ(g), as Burn's `silu` computes it, with σ(g) kept for backward (see
+        // `kept`): making it again would cost an `exp` per value.
+        let g = self.gate_proj.forward(x.clone());
+        let silu = g.clone() * kept(sigmoid(g));
+        self.down_proj.forward(silu * self.up_proj.forward(x))
     }
 }
 
