@@ -868,6 +868,46 @@ mod tests {
     }
 
     #[test]
+    fn a_flex_all_gather_is_made_once_and_shared_by_every_rank() {
+        use burn::backend::Flex;
+        for world in 2..=4usize {
+            let out = launch(world, Duration::from_secs(10), |g| {
+                let r = g.rank() as f32;
+                let x = Tensor::<Flex, 1>::from_floats([r, r + 0.5, r + 0.25], &Default::default());
+                let mut results = Vec::new();
+                // Several rounds: a different rank may make each one.
+                for k in 0..5 {
+                    let y = ProcessGroup::<Flex>::all_gather(&*g, x.clone(), &Tag::new(format!("s{k}")))?;
+                    let f =
+                        crate::downcast::must::<_, FlexTensor>(y.clone().into_primitive().tensor(), "Flex");
+                    results
+                        .push((y.into_data().to_vec::<f32>().unwrap(), Arc::as_ptr(&f.data_arc()) as usize));
+                }
+                Ok::<_, CommError>(results)
+            })
+            .unwrap();
+            let want: Vec<f32> =
+                (0..world).flat_map(|r| [r as f32, r as f32 + 0.5, r as f32 + 0.25]).collect();
+            for k in 0..5 {
+                for rank_out in &out {
+                    assert_eq!(rank_out[k].0, want, "W={world} round {k}");
+                    assert_eq!(rank_out[k].1, out[0][k].1, "W={world} round {k}: one buffer for all ranks");
+                }
+            }
+        }
+        // A rank that never comes: the others time out naming it, nobody waits for a maker.
+        let e = launch(3, Duration::from_millis(300), |g| {
+            if g.rank() == 2 {
+                return Ok(());
+            }
+            let x = Tensor::<Flex, 1>::from_floats([1.0], &Default::default());
+            ProcessGroup::<Flex>::all_gather(&*g, x, &Tag::new("late")).map(|_| ())
+        })
+        .unwrap_err();
+        assert!(e.message.contains("rank(s) [2] did not arrive"), "{e}");
+    }
+
+    #[test]
     fn reduce_scatter_of_an_unsplittable_length_is_an_error() {
         let e = launch(2, Duration::from_secs(10), |g| {
             ProcessGroup::<B>::reduce_scatter(&*g, t(vec![1.0; 3]), ReduceOp::Sum, &Tag::new("odd"))
