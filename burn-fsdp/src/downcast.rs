@@ -40,10 +40,8 @@ pub(crate) fn reshape_shared<B: burn::tensor::backend::Backend, const D: usize>(
     let prim = match cast::<FloatTensor<B>, FlexTensor>(prim) {
         Ok(f) => match f.layout().contiguous_offsets() {
             Some((start, _)) => {
-                let mut strides = vec![1isize; D];
-                for d in (0..D.saturating_sub(1)).rev() {
-                    strides[d] = strides[d + 1] * shape[d + 1] as isize;
-                }
+                // Flex's own row-major strides for `shape`, at the piece's offset.
+                let strides = Layout::contiguous(shape.clone()).strides().to_vec();
                 let (data, dtype) = (f.data_arc(), f.dtype());
                 let view = FlexTensor::from_arc(data, Layout::new(shape, strides, start), dtype);
                 return Tensor::from_primitive(TensorPrimitive::Float(must(
