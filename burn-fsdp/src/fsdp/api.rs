@@ -134,6 +134,21 @@ pub enum FsdpError {
         /// The panic message of the forward.
         cause: String,
     },
+    /// A forward began while reduce-scatters of the previous backward had not been collected:
+    /// a backward pass ran outside the forward's own graph (e.g. of a
+    /// [`forward_checkpointed`](Fsdp::forward_checkpointed) loss without
+    /// [`backward_checkpointed`](Fsdp::backward_checkpointed)), so its shard gradients never
+    /// reached the optimizer.
+    #[error(
+        "FSDP: {units} reduce-scatter(s) of the previous backward were never collected, so that step's \
+         shard gradients were lost; take the gradients of a `forward_checkpointed` loss with \
+         `Fsdp::backward_checkpointed`, and those of a `forward` loss with `Fsdp::gradients(loss.backward())` \
+         or Burn's `GradientsParams::from_grads(loss.backward(), fsdp.module())`"
+    )]
+    GradientsNotCollected {
+        /// How many reduce-scatters were left.
+        units: usize,
+    },
     /// A [`ShardInit`] could not give a parameter's rows ([`Fsdp::wrap_deferred`]).
     #[error("deferred initialisation of `{path}`: {error}")]
     Init {
@@ -580,17 +595,19 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     /// Other panics of `f` propagate unchanged, among them a failed collective's
     /// [`CollectiveFailure`](crate::CollectiveFailure).
     pub fn try_forward<O>(&self, f: impl FnOnce(&M, &mut FsdpRunner<'_, B, M>) -> O) -> Result<O, FsdpError> {
-        if let Some(p) = &self.prefetch
-            && !self.bypass()
-        {
-            p.begin_forward(self.all_shards());
-        }
+        self.begin_forward()?;
+        // With reduce-scatters on the communication thread, one node that every gather of
+        // this forward hangs from collects them when backward ends, whoever runs it.
+        let end = match &self.prefetch {
+            Some(p) if !self.bypass() => Some(B::fsdp_backward_end(p.clone(), self.mesh.device())),
+            _ => None,
+        };
         let root = if self.units[0].params.is_empty() || self.bypass() {
             self.module.clone()
         } else {
-            self.gather_view(self.module.clone(), 0, None, self.units[0].reshard_after_forward)
+            self.gather_view(self.module.clone(), 0, None, end.clone(), self.units[0].reshard_after_forward)
         };
-        let mut runner = FsdpRunner { fsdp: self, ran: vec![false; self.units.len()], rerun: false };
+        let mut runner = FsdpRunner { fsdp: self, ran: vec![false; self.units.len()], rerun: false, end };
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&root, &mut runner)));
         result.map_err(|payload| self.forward_failed(&runner.ran, payload))
     }
@@ -626,21 +643,22 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         &'s self,
         f: impl FnOnce(&M, &mut CheckpointRunner<'s, B, FsdpRunner<'s, B, M>>) -> Tensor<B, 1>,
     ) -> Checkpointed<'s, B> {
-        if let Some(p) = &self.prefetch
-            && !self.bypass()
-        {
-            p.begin_forward(self.all_shards());
+        if let Err(e) = self.begin_forward() {
+            panic!("{e}");
         }
+        // The segmented backward's reductions are collected by `backward_checkpointed`.
         let (root, roots) = if self.units[0].params.is_empty() || self.bypass() {
             (self.module.clone(), Vec::new())
         } else {
-            let view = self.gather_view(self.module.clone(), 0, None, self.units[0].reshard_after_forward);
+            let view =
+                self.gather_view(self.module.clone(), 0, None, None, self.units[0].reshard_after_forward);
             let mut leaves = RootLeaves { pairs: Vec::new() };
             (view.map(&mut leaves), leaves.pairs)
         };
         let ran = vec![false; self.units.len()];
-        let forward = FsdpRunner { fsdp: self, ran: ran.clone(), rerun: false };
-        let mut runner = CheckpointRunner::new(forward, FsdpRunner { fsdp: self, ran, rerun: true });
+        let forward = FsdpRunner { fsdp: self, ran: ran.clone(), rerun: false, end: None };
+        let mut runner =
+            CheckpointRunner::new(forward, FsdpRunner { fsdp: self, ran, rerun: true, end: None });
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&root, &mut runner)));
         // Every backward ends by locking every autodiff graph of the process, other ranks'
         // included. A rank whose backward blocks in a collective (no communication thread)
@@ -655,6 +673,29 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         match result {
             Ok(loss) => Checkpointed::new(loss, runner, roots, between),
             Err(payload) => panic!("{}", self.forward_failed(&runner.inner.ran, payload)),
+        }
+    }
+
+    /// Starts a forward on the communication thread (prefetch state, shards to prefetch from).
+    ///
+    /// # Errors
+    /// [`FsdpError::GradientsNotCollected`] when the previous backward's reduce-scatters were
+    /// never collected.
+    fn begin_forward(&self) -> Result<(), FsdpError> {
+        match &self.prefetch {
+            Some(p) if !self.bypass() => {
+                p.begin_forward(self.all_shards()).map_err(|units| FsdpError::GradientsNotCollected { units })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// [`FsdpError::GradientsNotCollected`] when a backward left reduce-scatters that
+    /// nothing collected: `grads` then lack those units' gradients.
+    fn refuse_uncollected(&self) -> Result<(), FsdpError> {
+        match self.prefetch.as_ref().map(|p| p.uncollected()) {
+            Some(units) if units > 0 => Err(FsdpError::GradientsNotCollected { units }),
+            _ => Ok(()),
         }
     }
 
@@ -978,6 +1019,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
             ));
         }
         refuse_whole_parameter_optimizer::<O>()?;
+        self.refuse_uncollected()?;
         let module = self.module.clone();
         self.module = retie::<B, M>(optim.step(lr, module, grads));
         Ok(())
@@ -1096,6 +1138,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         module: U,
         u: usize,
         anchor: Option<FloatTensor<B>>,
+        end: Option<FloatTensor<B>>,
         reshard: bool,
     ) -> U {
         let unit = &self.units[u];
@@ -1107,12 +1150,12 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
                     Tensor::<B, 1>::from_inner(leaf).require_grad().into_primitive().tensor()
                 });
                 let ids = Arc::new(unit.params.iter().map(|p| (p.id, p.shard_numel())).collect());
-                B::fsdp_all_gather_offloaded(anchor, self.gather_comm(u), host.clone(), ids, reshard)
+                B::fsdp_all_gather_offloaded(anchor, end, self.gather_comm(u), host.clone(), ids, reshard)
             }
             None => {
                 let shards = collect_shards::<B, U>(&module, &self.param_unit, self.units.len());
                 let parts = unit_shards::<B, _>(unit, &shards[u]);
-                B::fsdp_all_gather(parts, anchor, self.gather_comm(u), reshard)
+                B::fsdp_all_gather(parts, anchor, end, self.gather_comm(u), reshard)
             }
         };
         let group = ViewGroup::new(self.world(), unit.shard_len(), reshard);
@@ -1315,11 +1358,14 @@ pub struct FsdpRunner<'a, B: FsdpBackend, M: Module<B>> {
     ran: Vec<bool>,
     /// Runs blocks again in a checkpointed backward ([`crate::activation`]).
     rerun: bool,
+    /// The node that collects this forward's reduce-scatters in backward
+    /// ([`FsdpBackend::fsdp_backward_end`]).
+    end: Option<FloatTensor<B>>,
 }
 
 impl<B: FsdpBackend, M: Module<B>> Clone for FsdpRunner<'_, B, M> {
     fn clone(&self) -> Self {
-        Self { fsdp: self.fsdp, ran: self.ran.clone(), rerun: self.rerun }
+        Self { fsdp: self.fsdp, ran: self.ran.clone(), rerun: self.rerun, end: self.end.clone() }
     }
 }
 
@@ -1341,7 +1387,7 @@ impl<B: FsdpBackend, M: Module<B>> UnitRunner<B> for FsdpRunner<'_, B, M> {
         // A block run again by activation checkpointing keeps its gathered parameters for its
         // own backward, which follows at once: no reshard, no re-gather.
         let reshard = self.fsdp.units[u].reshard_after_forward && !self.rerun;
-        let view = self.fsdp.gather_view(unit.clone(), u, Some(anchor), reshard);
+        let view = self.fsdp.gather_view(unit.clone(), u, Some(anchor), self.end.clone(), reshard);
         let policy = self.fsdp.config.mp_policy;
         let x = match policy.param_dtype {
             Some(dt) if x.dtype() != dt => x.cast(dt),

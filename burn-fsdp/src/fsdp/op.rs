@@ -13,7 +13,9 @@
 //! shard per unit until backward). Units with more than [`MAX_DIRECT_PARENTS`] parameters
 //! fall back to one concatenated parent, which is kept.
 //!
-//! The optional `anchor` — the unit's input activation — is one more, gradient-free parent.
+//! The optional `anchor` — the unit's input activation — is one more, gradient-free parent,
+//! and so is the optional `end` ([`FsdpBackend::fsdp_backward_end`]), which collects the
+//! reduce-scatters of the communication thread when backward ends.
 //! Burn runs backward steps by graph depth; anchoring the gather at the unit's input makes
 //! its backward (the reduce-scatter) run right after the unit's own backward instead of at
 //! the very end, so full-size gradients do not pile up.
@@ -70,8 +72,19 @@ pub trait FsdpBackend: AutodiffBackend {
     fn fsdp_all_gather(
         shards: Vec<FloatTensor<Self>>,
         anchor: Option<FloatTensor<Self>>,
+        end: Option<FloatTensor<Self>>,
         comm: GatherComm<Self::InnerBackend>,
         recompute: bool,
+    ) -> FloatTensor<Self>;
+
+    /// The end of a forward's backward pass: a tracked `[1]` tensor whose node, made a parent
+    /// of every gather of the forward (the `end` argument of the gathers), runs after all of
+    /// them in backward (its depth is 1, theirs at least 2) and collects the reduce-scatters
+    /// that `prefetch`'s communication thread ran meanwhile into the pass's gradients. Burn's
+    /// `loss.backward()` then returns with every shard's reduced gradient registered.
+    fn fsdp_backward_end(
+        prefetch: Arc<Prefetcher<Self::InnerBackend>>,
+        device: &burn::tensor::Device<Self::InnerBackend>,
     ) -> FloatTensor<Self>;
 
     /// The same all-gather for an offloaded unit: the flat shard is uploaded from `host`
@@ -80,6 +93,7 @@ pub trait FsdpBackend: AutodiffBackend {
     /// `anchor` must be tracked (the unit's input activation, or any tracked leaf).
     fn fsdp_all_gather_offloaded(
         anchor: FloatTensor<Self>,
+        end: Option<FloatTensor<Self>>,
         comm: GatherComm<Self::InnerBackend>,
         host: Arc<HostStore>,
         ids: Arc<Vec<(ParamId, usize)>>,
@@ -151,12 +165,19 @@ impl<B: Backend, const N: usize> Backward<B, N> for GatherBackward<B> {
         let flat_parent = matches!(self.parents, Parents::Flat);
         if let Some(prefetch) = self.comm.prefetch.as_ref().filter(|_| !flat_parent) {
             // Reduce on the communication thread while backward goes on: the shards' gradients
-            // are collected by `Fsdp::gradients` (offloaded ones go straight to the host).
-            let deliver: Option<Box<dyn FnOnce(Tensor<B, 1>) + Send>> = match self.parents {
-                Parents::Host(host, ids) => Some(Box::new(move |g| host.accumulate_grad(&ids, g))),
-                _ => None,
+            // are registered on their nodes by the backward's last step (`BackwardEnd`) or by
+            // `Fsdp::gradients`; offloaded ones go straight to the host.
+            let (deliver, targets): (Option<Box<dyn FnOnce(Tensor<B, 1>) + Send>>, _) = match self.parents {
+                Parents::Host(host, ids) => {
+                    (Some(Box::new(move |g| host.accumulate_grad(&ids, g))), Vec::new())
+                }
+                Parents::Direct(shapes) => {
+                    let nodes = ops.parents.iter().map(|p| p.as_ref().map(|n| n.id));
+                    (None, nodes.zip(shapes).map(|(node, (shape, dtype))| (node, shape, dtype)).collect())
+                }
+                Parents::Flat => unreachable!("the flat fallback reduces inline"),
             };
-            prefetch.reduce(self.comm.unit.index, &self.comm.unit, grad, deliver);
+            prefetch.reduce(self.comm.unit.index, &self.comm.unit, grad, deliver, targets);
             return;
         }
         let device = grad.device();
@@ -194,6 +215,24 @@ impl<B: Backend, const N: usize> Backward<B, N> for GatherBackward<B> {
                 }
             }
         }
+    }
+}
+
+/// The last step of a backward pass through gathers whose reduce-scatters run on the
+/// communication thread: it collects them into the pass's gradients
+/// ([`Prefetcher::collect_into`]).
+#[derive(Debug)]
+struct BackwardEnd<B: Backend> {
+    prefetch: Arc<Prefetcher<B>>,
+}
+
+impl<B: Backend> Backward<B, 1> for BackwardEnd<B> {
+    type State = ();
+
+    fn backward(self, _ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        // No gradient flows into this node: it is a parent of the gathers only to be reached
+        // by backward, at depth 1, after every gather (depth ≥ 2).
+        self.prefetch.collect_into(grads);
     }
 }
 
@@ -270,7 +309,7 @@ macro_rules! dispatch {
     ($n:expr, $args:tt, [$($k:literal)*]) => {
         match $n {
             $($k => dispatch!(@call $k, $args),)*
-            other => unreachable!("{other} parents exceed MAX_DIRECT_PARENTS + 1"),
+            other => unreachable!("{other} parents exceed MAX_DIRECT_PARENTS + 2"),
         }
     };
     (@call $k:literal, ($($arg:expr),*)) => {
@@ -282,6 +321,7 @@ impl<B: Backend, C: CheckpointStrategy> FsdpBackend for Autodiff<B, C> {
     fn fsdp_all_gather(
         shards: Vec<FloatTensor<Self>>,
         anchor: Option<FloatTensor<Self>>,
+        end: Option<FloatTensor<Self>>,
         comm: GatherComm<B>,
         recompute: bool,
     ) -> FloatTensor<Self> {
@@ -301,15 +341,30 @@ impl<B: Backend, C: CheckpointStrategy> FsdpBackend for Autodiff<B, C> {
         let n_sources = sources.len();
         let mut parents: Vec<&FloatTensor<Self>> = sources.iter().collect();
         parents.extend(anchor.as_ref());
+        parents.extend(end.as_ref().filter(|e| e.is_tracked()));
         dispatch!(
             parents.len(),
             (&parents, n_sources, kind, comm, recompute, output),
-            [1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32]
+            [1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32 33]
         )
+    }
+
+    fn fsdp_backward_end(
+        prefetch: Arc<Prefetcher<B>>,
+        device: &burn::tensor::Device<B>,
+    ) -> FloatTensor<Self> {
+        let leaf = Tensor::<Self, 1>::zeros([1], device).require_grad().into_primitive().tensor();
+        let output = B::float_zeros(Shape::new([1]), device, leaf.primitive.dtype().into());
+        let end = BackwardEnd { prefetch };
+        match end.prepare::<C>([leaf.node.clone()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish((), output),
+            OpsKind::UnTracked(prep) => prep.finish(output),
+        }
     }
 
     fn fsdp_all_gather_offloaded(
         anchor: FloatTensor<Self>,
+        end: Option<FloatTensor<Self>>,
         comm: GatherComm<B>,
         host: Arc<HostStore>,
         ids: Arc<Vec<(ParamId, usize)>>,
@@ -321,7 +376,10 @@ impl<B: Backend, C: CheckpointStrategy> FsdpBackend for Autodiff<B, C> {
         let output = comm.forward_gather(shard);
         let output = output.into_primitive().tensor();
         let kind = Parents::Host(host, ids);
-        register::<B, C, 1>(&[&anchor], 0, kind, comm, recompute, output)
+        match end.as_ref().filter(|e| e.is_tracked()) {
+            Some(end) => register::<B, C, 2>(&[&anchor, end], 0, kind, comm, recompute, output),
+            None => register::<B, C, 1>(&[&anchor], 0, kind, comm, recompute, output),
+        }
     }
 
     fn fsdp_param_view(

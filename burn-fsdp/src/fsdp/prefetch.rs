@@ -11,8 +11,13 @@
 //! - **Backward prefetch.** When a resharded unit is re-gathered in backward, the re-gather
 //!   that followed it in the previous backward is issued at once.
 //! - **Asynchronous reduce-scatter.** A unit's backward hands its gradient to the worker and
-//!   returns; the reduced shard gradients are collected by
-//!   [`Fsdp::gradients`](crate::Fsdp::gradients), after the whole backward.
+//!   returns. The reduced shard gradients are collected at the end of the same backward pass
+//!   by its last step ([`Prefetcher::collect_into`], run by the node that
+//!   [`FsdpBackend::fsdp_backward_end`](crate::FsdpBackend::fsdp_backward_end) makes, a parent
+//!   of every gather of the forward) and registered on the shards' autodiff nodes, so that
+//!   Burn's own `GradientsParams::from_grads(loss.backward(), fsdp.module())` sees them, as
+//!   [`Fsdp::gradients`](crate::Fsdp::gradients) does. A reduction nobody collected (a backward
+//!   pass without that node) is an error at the next forward, never dropped unnoticed.
 //!
 //! The orders are recorded during the first step (which therefore prefetches nothing), so
 //! any model works without declaring its unit order; if a model runs its units in another
@@ -28,8 +33,10 @@ use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Instant;
 
+use burn::backend::autodiff::NodeId;
+use burn::backend::autodiff::grads::Gradients;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Shape, Tensor, TensorPrimitive};
+use burn::tensor::{DType, Shape, Tensor, TensorPrimitive};
 
 use crate::fsdp::collectives::{Phase, UnitComm};
 
@@ -147,9 +154,14 @@ struct State<B: Backend> {
     current: [Vec<usize>; 2],
     /// Prefetched gathers, per pass and unit.
     ready: [HashMap<usize, Pending<Tensor<B, 1>>>; 2],
-    /// Reduce-scatters in flight: unit and reduced shard gradient (`None` without sync).
-    reductions: Vec<(usize, Pending<Option<Tensor<B, 1>>>)>,
+    /// Reduce-scatters in flight: unit, reduced shard gradient (`None` without sync) and
+    /// where its pieces go.
+    reductions: Vec<(usize, Pending<Option<Tensor<B, 1>>>, Vec<ShardTarget>)>,
 }
+
+/// Where one parameter's piece of a unit's reduced flat shard gradient is registered: the
+/// shard's autodiff node (`None` when the shard needs no gradient), its shape and dtype.
+pub(crate) type ShardTarget = (Option<NodeId>, Shape, DType);
 
 /// The overlap machinery of one [`Fsdp`](crate::Fsdp) on one rank.
 pub struct Prefetcher<B: Backend> {
@@ -232,9 +244,21 @@ impl<B: Backend> Prefetcher<B> {
     /// Starts a forward: the previous forward's and backward's unit orders become the ones
     /// to prefetch by, unused prefetches are dropped, and the shards of this forward are
     /// saved for the backward prefetch.
-    pub fn begin_forward(&self, shards: Vec<Option<Vec<B::FloatTensorPrimitive>>>) {
+    ///
+    /// # Errors
+    /// When reduce-scatters of the previous backward were never collected (a backward pass
+    /// whose gradients neither reached the shards nor went through
+    /// [`Fsdp::gradients`](crate::Fsdp::gradients)): their number, for the caller's message.
+    pub(crate) fn begin_forward(
+        &self,
+        shards: Vec<Option<Vec<B::FloatTensorPrimitive>>>,
+    ) -> Result<(), usize> {
         self.quiesce();
         let mut st = self.state();
+        let uncollected = std::mem::take(&mut st.reductions).len();
+        if uncollected > 0 {
+            return Err(uncollected);
+        }
         for pass in 0..2 {
             let current = std::mem::take(&mut st.current[pass]);
             if !current.is_empty() {
@@ -242,9 +266,8 @@ impl<B: Backend> Prefetcher<B> {
             }
             st.ready[pass].clear();
         }
-        // Reductions nobody collected with `Fsdp::gradients` are dropped.
-        st.reductions.clear();
         st.shards = shards;
+        Ok(())
     }
 
     fn issue(&self, st: &mut State<B>, pass: Pass, unit: usize) {
@@ -329,13 +352,16 @@ impl<B: Backend> Prefetcher<B> {
     }
 
     /// Queues the reduce-scatter of `unit`'s full gradient, then, for offloaded units,
-    /// `deliver` with the reduced shard gradient on the communication thread.
-    pub fn reduce(
+    /// `deliver` with the reduced shard gradient on the communication thread. `targets` are
+    /// the unit's shards in unit order, where [`collect_into`](Self::collect_into) registers
+    /// the pieces (empty for offloaded units).
+    pub(crate) fn reduce(
         &self,
         unit: usize,
         comm: &Arc<UnitComm<B>>,
         full_grad: Tensor<B, 1>,
         deliver: Option<Box<dyn FnOnce(Tensor<B, 1>) + Send>>,
+        targets: Vec<ShardTarget>,
     ) {
         let comm = comm.clone();
         let sync = comm.sync.load(Ordering::SeqCst);
@@ -350,7 +376,7 @@ impl<B: Backend> Prefetcher<B> {
             }
         });
         self.counters.async_reduce_scatters.fetch_add(1, Ordering::Relaxed);
-        self.state().reductions.push((unit, pending));
+        self.state().reductions.push((unit, pending, targets));
     }
 
     /// The reduce-scatter of `unit`'s full gradient, waited for (after everything queued
@@ -366,13 +392,59 @@ impl<B: Backend> Prefetcher<B> {
     ///
     /// Backward is over then: the saved shard references are released too, so that the
     /// optimizer step's old shards are not kept alive until the next forward.
-    pub fn finish_reductions(&self) -> Vec<(usize, Tensor<B, 1>)> {
+    pub(crate) fn finish_reductions(&self) -> Vec<(usize, Tensor<B, 1>)> {
         let pending = std::mem::take(&mut self.state().reductions);
-        let out = pending.into_iter().filter_map(|(u, p)| self.timed_wait(p).map(|g| (u, g))).collect();
+        let out = pending.into_iter().filter_map(|(u, p, _)| self.timed_wait(p).map(|g| (u, g))).collect();
+        self.end_backward();
+        out
+    }
+
+    /// Reduce-scatters issued by backward passes and not collected yet.
+    pub(crate) fn uncollected(&self) -> usize {
+        self.state().reductions.len()
+    }
+
+    /// The last step of a backward pass: waits for every reduce-scatter in flight and
+    /// registers each parameter's piece of the reduced shard gradients on its shard's node in
+    /// `grads` (added to what is there, as Burn adds the uses of a tensor), so that the
+    /// gradients are complete when `backward()` returns, however they are read.
+    pub(crate) fn collect_into(&self, grads: &mut Gradients) {
+        let pending = std::mem::take(&mut self.state().reductions);
+        for (_, p, targets) in pending {
+            let Some(g) = self.timed_wait(p) else { continue };
+            let mut offset = 0;
+            for (node, shape, dtype) in targets {
+                let n = shape.num_elements();
+                if let Some(node) = node {
+                    let piece = g.clone().narrow(0, offset, n);
+                    let piece = if piece.dtype() == dtype { piece } else { piece.cast(dtype) };
+                    grads.register::<B>(node, shard_shaped(piece, shape));
+                }
+                offset += n;
+            }
+        }
+        self.end_backward();
+    }
+
+    /// Backward is over: the saved shard references are released, so that the optimizer
+    /// step's old shards are not kept alive until the next forward.
+    fn end_backward(&self) {
         self.quiesce();
         let mut st = self.state();
         st.shards.iter_mut().for_each(|s| *s = None);
         st.ready[Pass::Backward as usize].clear();
-        out
     }
+}
+
+/// A piece of a flat gradient in its parameter's shape, sharing memory where it can.
+pub(crate) fn shard_shaped<B: Backend>(piece: Tensor<B, 1>, shape: Shape) -> B::FloatTensorPrimitive {
+    macro_rules! to {
+        ($($d:literal)*) => {
+            match shape.num_dims() {
+                $($d => crate::downcast::reshape_shared::<B, $d>(piece, shape).into_primitive().tensor(),)*
+                _ => B::float_reshape(piece.into_primitive().tensor(), shape),
+            }
+        };
+    }
+    to!(1 2 3 4 5 6)
 }

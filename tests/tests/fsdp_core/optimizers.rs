@@ -109,10 +109,22 @@ fn single<O: Optimizer<Mlp<AB>, AB>>(mut optim: O) -> (Vec<f64>, HashMap<String,
     (losses, parameters::<NdArray<f32>, _>(&model.valid()))
 }
 
+/// How a training loop takes its gradients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Grads {
+    /// `fsdp.gradients(loss.backward())`.
+    Fsdp,
+    /// Burn's own `GradientsParams::from_grads(loss.backward(), fsdp.module())`, as burn-train's
+    /// `TrainOutput::new` does (issue #42: with reduce-scatters on the communication thread
+    /// these once lost every unit's gradient but the root's, without a word).
+    Burn,
+}
+
 /// The same under FSDP at `world` ranks, each on its rows of the batch.
 fn fsdp<O: Optimizer<Mlp<FB>, FB> + 'static>(
     world: usize,
     prefetch: bool,
+    how: Grads,
     make: fn() -> O,
 ) -> (Vec<f64>, HashMap<String, Vec<f64>>) {
     let mut out = launch(world, Duration::from_secs(60), move |group| {
@@ -131,7 +143,10 @@ fn fsdp<O: Optimizer<Mlp<FB>, FB> + 'static>(
             let loss = fsdp.forward(|m, r| m.loss(x, y, r));
             let local = loss.clone().into_scalar() as f64;
             losses.push(fsdp.all_reduce_scalar(local, burn_fsdp::ReduceOp::Avg, "loss")?);
-            let grads = fsdp.gradients(loss.backward());
+            let grads = match how {
+                Grads::Fsdp => fsdp.gradients(loss.backward()),
+                Grads::Burn => GradientsParams::from_grads(loss.backward(), fsdp.module()),
+            };
             fsdp.step_with(&mut optim, lr.step(), grads)?;
         }
         let params = fsdp
@@ -165,12 +180,14 @@ where
     let moved = start.iter().map(|(k, v)| max_rel_diff(v, &want_params[k])).fold(0.0, f64::max);
     assert!(moved > 1e-3, "{name}: the parameters barely moved ({moved:e})");
     for world in [2, 3] {
-        for prefetch in [true, false] {
-            let (losses, params) = fsdp(world, prefetch, fsdp_optim);
+        for (prefetch, how) in
+            [(true, Grads::Fsdp), (false, Grads::Fsdp), (true, Grads::Burn), (false, Grads::Burn)]
+        {
+            let (losses, params) = fsdp(world, prefetch, how, fsdp_optim);
             let d = max_rel_diff(&losses, &want_losses);
             assert!(
                 d < 1e-5,
-                "{name} W = {world} prefetch {prefetch}: losses {d:e}\n{losses:?}\n{want_losses:?}"
+                "{name} W = {world} prefetch {prefetch} {how:?}: losses {d:e}\n{losses:?}\n{want_losses:?}"
             );
             let mut names: Vec<_> = params.keys().collect();
             names.sort();
@@ -181,7 +198,7 @@ where
                 let d = max_abs_diff_over_max(got, &want_params[path]);
                 assert!(
                     d < 1e-5,
-                    "{name} W = {world} prefetch {prefetch}: {path} {d:e}\n{got:?}\n{:?}",
+                    "{name} W = {world} prefetch {prefetch} {how:?}: {path} {d:e}\n{got:?}\n{:?}",
                     want_params[path]
                 );
             }
@@ -239,4 +256,37 @@ fn optimizers_that_need_whole_parameters_are_refused() {
     .unwrap_err()
     .to_string();
     assert!(err.contains("Muon") && err.contains("elementwise"), "{err}");
+}
+
+/// Gradients of a backward that FSDP never saw end (here: `Checkpointed::gradients`, the
+/// one-device helper, on an FSDP forward) leave the reduce-scatters of the communication thread
+/// uncollected: the optimizer step and the next forward refuse to go on, naming the way that
+/// works, instead of stepping on the root unit's gradients alone.
+#[test]
+fn uncollected_reduce_scatters_are_an_error_not_a_silent_step() {
+    let errors = launch(2, Duration::from_secs(30), |group| {
+        let device = Default::default();
+        let rank = group.rank();
+        let mesh = DeviceMesh::new_1d(group, device);
+        let mut fsdp = Fsdp::wrap(Mlp::<FB>::new(&device), &mesh, FsdpConfig::default())?;
+        let (x, y) = batch::<FB>(0, &device);
+        let (x, y) = (x.narrow(0, rank * 6, 6), y.narrow(0, rank * 6, 6));
+        let run = fsdp.forward_checkpointed(|m, r| m.loss(x.clone(), y.clone(), r));
+        let grads = run.gradients(fsdp.module());
+        let mut adam = AdamWConfig::new().init();
+        let step = fsdp.step_with(&mut adam, 0.01, grads).map(|_| ()).unwrap_err().to_string();
+        let forward =
+            fsdp.try_forward(|m, r| m.loss(x.clone(), y.clone(), r)).map(|_| ()).unwrap_err().to_string();
+        // Reported once: the forward after the error runs, and its gradients are whole.
+        let loss = fsdp.try_forward(|m, r| m.loss(x, y, r))?;
+        let grads = GradientsParams::from_grads(loss.backward(), fsdp.module());
+        fsdp.step_with(&mut adam, 0.01, grads)?;
+        Ok::<_, burn_fsdp::FsdpError>((step, forward))
+    })
+    .unwrap();
+    for (step, forward) in errors {
+        for e in [step, forward] {
+            assert!(e.contains("never collected") && e.contains("Fsdp::backward_checkpointed"), "{e}");
+        }
+    }
 }
