@@ -4,6 +4,7 @@
 use std::any::Any;
 
 /// `value` as type `T` when it is one (moved, not copied); else `value` back.
+#[cfg_attr(not(feature = "cpu"), allow(dead_code))]
 pub(crate) fn cast<S: 'static, T: 'static>(value: S) -> Result<T, S> {
     let mut slot = Some(value);
     match (&mut slot as &mut dyn Any).downcast_mut::<Option<T>>() {
@@ -13,6 +14,7 @@ pub(crate) fn cast<S: 'static, T: 'static>(value: S) -> Result<T, S> {
 }
 
 /// `value` as type `T`, which the caller has checked it is.
+#[cfg_attr(not(feature = "cpu"), allow(dead_code))]
 pub(crate) fn must<S: 'static, T: 'static>(value: S, checked: &str) -> T {
     match cast(value) {
         Ok(t) => t,
@@ -25,6 +27,17 @@ pub(crate) fn must<S: 'static, T: 'static>(value: S, checked: &str) -> T {
 /// gradient) on every `reshape`; here it becomes a view at the same offset. Any other tensor
 /// goes through Burn's `reshape`. Same values either way.
 pub(crate) fn reshape_shared<B: burn::tensor::backend::Backend, const D: usize>(
+    t: burn::tensor::Tensor<B, 1>,
+    shape: burn::tensor::Shape,
+) -> burn::tensor::Tensor<B, D> {
+    #[cfg(not(feature = "cpu"))]
+    return t.reshape(shape);
+    #[cfg(feature = "cpu")]
+    flex_reshape_shared(t, shape)
+}
+
+#[cfg(feature = "cpu")]
+fn flex_reshape_shared<B: burn::tensor::backend::Backend, const D: usize>(
     t: burn::tensor::Tensor<B, 1>,
     shape: burn::tensor::Shape,
 ) -> burn::tensor::Tensor<B, D> {

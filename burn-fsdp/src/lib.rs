@@ -31,6 +31,10 @@
 //!   parameter descriptions, shared with `tp`).
 //! - Beside FSDP: [`tp`] (tensor parallelism on a 2-D mesh), [`optim`] (AdamW on shards, clipping),
 //!   [`checkpoint`] and [`io`] (sharded state on disk).
+//!
+//! Features: none by default — burn-fsdp depends on `burn` with `std` and `autodiff` only and
+//! runs on any backend through Burn's tensor ops; `cpu` adds host fast paths for NdArray and
+//! Flex (same bits, fewer copies); `mpi` adds `comm::mpi::MpiGroup`.
 #![warn(missing_docs)]
 
 pub mod activation;
@@ -43,6 +47,7 @@ pub mod io;
 pub mod optim;
 pub mod runner;
 pub mod tp;
+#[cfg(feature = "cpu")]
 mod transpose;
 pub mod walk;
 

@@ -14,7 +14,57 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 
+#[cfg(feature = "cpu")]
 mod fused;
+/// Without the `cpu` feature every update and gradient takes the generic path.
+#[cfg(not(feature = "cpu"))]
+mod fused {
+    use burn::tensor::Tensor;
+    use burn::tensor::backend::Backend;
+
+    /// The parameter and the optimizer state (`exp_avg`, `exp_avg_sq`), if any.
+    pub(super) type Update<B> = (Tensor<B, 1>, Option<(Tensor<B, 1>, Tensor<B, 1>)>);
+
+    /// Never fused here: the arguments back, for the generic path.
+    pub(super) fn adamw<B: Backend>(
+        param: Tensor<B, 1>,
+        _grad: &Tensor<B, 1>,
+        state: Option<(Tensor<B, 1>, Tensor<B, 1>)>,
+        _k: &super::AdamScalars,
+    ) -> Result<[Tensor<B, 1>; 3], Update<B>> {
+        Err((param, state))
+    }
+
+    /// `grad` as it is.
+    pub(super) fn standard_layout<B: Backend, const D: usize>(grad: Tensor<B, D>) -> Tensor<B, D> {
+        grad
+    }
+
+    /// No fused sum of squares: the generic path.
+    pub(super) fn sq_sum<B: Backend, const D: usize>(_grad: &Tensor<B, D>) -> Option<f32> {
+        None
+    }
+}
+
+/// The update's scalars, each rounded to `f32` as the generic path's scalar operands are.
+#[derive(Debug, Clone, Copy)]
+#[cfg_attr(not(feature = "cpu"), allow(dead_code))]
+pub(crate) struct AdamScalars {
+    /// `1 - lr · weight_decay`, when there is weight decay.
+    pub(crate) decay: Option<f32>,
+    /// `1 - β₁`.
+    pub(crate) one_minus_b1: f32,
+    /// `β₂`.
+    pub(crate) b2: f32,
+    /// `1 - β₂`.
+    pub(crate) one_minus_b2: f32,
+    /// `√(1 - β₂ᵗ)`.
+    pub(crate) sqrt_bias_correction2: f32,
+    /// `ε`.
+    pub(crate) eps: f32,
+    /// `lr / (1 - β₁ᵗ)`.
+    pub(crate) step_size: f32,
+}
 
 /// Hyper-parameters of [`TorchAdamW`] (PyTorch names and defaults, except `weight_decay`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -143,7 +193,7 @@ impl<B: Backend> TorchAdamW<B> {
         let bias_correction2 = 1.0 - b2.powi(step as i32);
         let step_size = lr / bias_correction1;
         // Flex, f32: the same operations in one pass over memory (the same bits).
-        let scalars = fused::Scalars {
+        let scalars = AdamScalars {
             decay: (weight_decay != 0.0).then_some((1.0 - lr * weight_decay) as f32),
             one_minus_b1: (1.0 - b1) as f32,
             b2: b2 as f32,

@@ -11,10 +11,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+#[cfg(feature = "cpu")]
 use burn::backend::flex::FlexTensor;
 use burn::tensor::backend::Backend;
-use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Element, Tensor, TensorData, TensorPrimitive, bf16, f16};
+use burn::tensor::{DType, Element, Tensor, TensorData, bf16, f16};
+#[cfg(feature = "cpu")]
+use burn::tensor::{TensorPrimitive, ops::FloatTensor};
 
 use crate::comm::{
     CollectiveFailure, CollectiveKind, CommCounters, CommError, CommStats, ProcessGroup, ReduceOp, Tag,
@@ -95,6 +97,7 @@ enum HostChunk {
     /// Bytes `bytes` of a Flex tensor's own memory, shared rather than copied: the peers read
     /// it while the round lasts, and nothing writes to it meanwhile (Flex writes in place only
     /// into a buffer it holds alone; this clone makes it shared).
+    #[cfg(feature = "cpu")]
     Flex { tensor: FlexTensor, bytes: Range<usize>, n: usize },
 }
 
@@ -102,6 +105,7 @@ impl HostChunk {
     fn as_bytes(&self) -> &[u8] {
         match self {
             HostChunk::Copied(d) => d.as_bytes(),
+            #[cfg(feature = "cpu")]
             HostChunk::Flex { tensor, bytes, .. } => &tensor.bytes()[bytes.clone()],
         }
     }
@@ -109,6 +113,7 @@ impl HostChunk {
     fn num_elements(&self) -> usize {
         match self {
             HostChunk::Copied(d) => d.shape.num_elements(),
+            #[cfg(feature = "cpu")]
             HostChunk::Flex { n, .. } => *n,
         }
     }
@@ -116,6 +121,7 @@ impl HostChunk {
     fn dtype(&self) -> DType {
         match self {
             HostChunk::Copied(d) => d.dtype,
+            #[cfg(feature = "cpu")]
             HostChunk::Flex { tensor, .. } => tensor.dtype(),
         }
     }
@@ -124,6 +130,7 @@ impl HostChunk {
     fn to_data(&self) -> TensorData {
         match self {
             HostChunk::Copied(d) => d.clone(),
+            #[cfg(feature = "cpu")]
             HostChunk::Flex { n, .. } => {
                 TensorData::from_bytes_vec(self.as_bytes().to_vec(), [*n], self.dtype())
             }
@@ -146,9 +153,11 @@ struct Round {
     arrived: usize,
     left: usize,
     /// [`LocalGroup::exchange_shared`]: the rank that completed the arrivals, whether a
-    /// rank is making the result, and the result once made.
+    /// rank is making the result, and the result once made (Flex, with the `cpu` feature).
     last: usize,
+    #[cfg_attr(not(feature = "cpu"), allow(dead_code))]
     making: bool,
+    #[cfg_attr(not(feature = "cpu"), allow(dead_code))]
     output: Option<Payload>,
 }
 
@@ -335,6 +344,7 @@ impl LocalGroup {
     /// is in, one rank that was waiting for them runs `make` on them (outside the lock) and
     /// every rank returns that one result. The rank that arrived last, the one behind, never
     /// makes it (a group has at least two ranks here). A failing `make` aborts the group.
+    #[cfg(feature = "cpu")]
     fn exchange_shared(
         &self,
         kind: CollectiveKind,
@@ -471,6 +481,7 @@ impl LocalGroup {
 }
 
 /// Whether `B`'s float tensors are Flex tensors (whose memory in-process ranks can share).
+#[cfg(feature = "cpu")]
 fn is_flex<B: Backend>() -> bool {
     std::any::TypeId::of::<FloatTensor<B>>() == std::any::TypeId::of::<FlexTensor>()
 }
@@ -495,6 +506,7 @@ fn host_range<B: Backend>(t: &Tensor<B, 1>, range: Range<usize>) -> TensorData {
 /// own memory, shared with the peers, not copied; elsewhere copies (see [`host_range`]).
 fn host_chunks<B: Backend>(t: Tensor<B, 1>, chunks: usize) -> Vec<HostChunk> {
     let n = t.shape().num_elements() / chunks;
+    #[cfg(feature = "cpu")]
     let t = match crate::downcast::cast::<FloatTensor<B>, FlexTensor>(t.into_primitive().tensor()) {
         Ok(f) => {
             let float = matches!(f.dtype(), DType::F64 | DType::F32 | DType::F16 | DType::BF16);
@@ -603,6 +615,7 @@ impl<B: Backend> ProcessGroup<B> for LocalGroup {
         let (n, dtype) = (input.shape().num_elements(), input.dtype());
         let bytes = payload_bytes(&input);
         let mine = host_chunks(input, 1);
+        #[cfg(feature = "cpu")]
         if is_flex::<B>() && concat_host(&[], dtype).is_some() {
             // Every rank's result is the same: one rank concatenates, all share its memory
             // (read-only for them: Flex copies a shared buffer before writing into it).
@@ -868,6 +881,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(feature = "cpu")]
     fn a_flex_all_gather_is_made_once_and_shared_by_every_rank() {
         use burn::backend::Flex;
         for world in 2..=4usize {
@@ -969,6 +983,7 @@ mod tests {
     /// as NdArray (which copies), bit for bit, for inputs that start inside their buffer (a
     /// slice) and inputs the caller still holds — whose values the collectives leave alone.
     #[test]
+    #[cfg(feature = "cpu")]
     fn flex_contributions_are_shared_not_copied_and_give_the_same_bits() {
         type F = burn::backend::Flex<f32>;
         fn run<X: Backend>(world: usize) -> Vec<Vec<Vec<f32>>> {

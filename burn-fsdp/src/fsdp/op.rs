@@ -36,7 +36,7 @@ use burn::tensor::{DType, Shape, Tensor, TensorMetadata, TensorPrimitive};
 
 use crate::fsdp::collectives::{Phase, UnitComm};
 use crate::fsdp::offload::HostStore;
-use crate::fsdp::prefetch::Prefetcher;
+use crate::fsdp::prefetch::{Deliver, Prefetcher};
 use crate::fsdp::view::{ParamView, ViewGroup};
 use burn::module::ParamId;
 
@@ -167,7 +167,7 @@ impl<B: Backend, const N: usize> Backward<B, N> for GatherBackward<B> {
             // Reduce on the communication thread while backward goes on: the shards' gradients
             // are registered on their nodes by the backward's last step (`BackwardEnd`) or by
             // `Fsdp::gradients`; offloaded ones go straight to the host.
-            let (deliver, targets): (Option<Box<dyn FnOnce(Tensor<B, 1>) + Send>>, _) = match self.parents {
+            let (deliver, targets): (Option<Deliver<B>>, _) = match self.parents {
                 Parents::Host(host, ids) => {
                     (Some(Box::new(move |g| host.accumulate_grad(&ids, g))), Vec::new())
                 }

@@ -156,8 +156,15 @@ struct State<B: Backend> {
     ready: [HashMap<usize, Pending<Tensor<B, 1>>>; 2],
     /// Reduce-scatters in flight: unit, reduced shard gradient (`None` without sync) and
     /// where its pieces go.
-    reductions: Vec<(usize, Pending<Option<Tensor<B, 1>>>, Vec<ShardTarget>)>,
+    reductions: Vec<Reduction<B>>,
 }
+
+/// A reduce-scatter in flight: its unit, its result (`None` without sync) and where its pieces
+/// go.
+type Reduction<B> = (usize, Pending<Option<Tensor<B, 1>>>, Vec<ShardTarget>);
+
+/// What an offloaded unit's reduced shard gradient is handed to, on the communication thread.
+pub(crate) type Deliver<B> = Box<dyn FnOnce(Tensor<B, 1>) + Send>;
 
 /// Where one parameter's piece of a unit's reduced flat shard gradient is registered: the
 /// shard's autodiff node (`None` when the shard needs no gradient), its shape and dtype.
@@ -360,7 +367,7 @@ impl<B: Backend> Prefetcher<B> {
         unit: usize,
         comm: &Arc<UnitComm<B>>,
         full_grad: Tensor<B, 1>,
-        deliver: Option<Box<dyn FnOnce(Tensor<B, 1>) + Send>>,
+        deliver: Option<Deliver<B>>,
         targets: Vec<ShardTarget>,
     ) {
         let comm = comm.clone();

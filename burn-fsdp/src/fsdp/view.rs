@@ -194,6 +194,7 @@ impl ParamView {
 
     /// Rank `r`'s rows of the parameter in its shard (`0..rows_per_rank` less any padding),
     /// as a range of elements of the parameter's flattened value.
+    #[cfg_attr(not(feature = "cpu"), allow(dead_code))]
     fn elements_of(&self, r: usize) -> std::ops::Range<usize> {
         let (rows, row) = (self.param.rows_of(r), self.param.row_numel());
         rows.start * row..rows.end * row
@@ -210,7 +211,8 @@ impl ParamView {
 /// result is handed to the backend without a further copy (`from_data` keeps an owned `Vec`);
 /// the gradient buffer is written in place when nothing else holds it. Every other backend,
 /// dtype or layout takes the generic path; both give the same bits (the tests run the views on
-/// both paths against Burn's own narrow path).
+/// both paths against Burn's own narrow path). Behind the `cpu` feature.
+#[cfg(feature = "cpu")]
 mod host {
     use std::any::Any;
 
@@ -534,11 +536,44 @@ pub(crate) fn param_view<B: Backend, C: CheckpointStrategy>(
     }
 }
 
+/// Without the `cpu` feature every backend takes the generic path.
+#[cfg(not(feature = "cpu"))]
+mod host {
+    use burn::tensor::backend::Backend;
+    use burn::tensor::ops::FloatTensor;
+
+    use super::ParamView;
+
+    /// Never on the host: the generic path.
+    pub(super) fn cut<B: Backend>(
+        _: &ParamView,
+        _: &FloatTensor<B>,
+        _: usize,
+        _: usize,
+    ) -> Option<FloatTensor<B>> {
+        None
+    }
+
+    /// Never on the host: the arguments back, for the generic path.
+    #[allow(clippy::type_complexity)]
+    pub(super) fn write_into<B: Backend>(
+        _: &ParamView,
+        grad: FloatTensor<B>,
+        buffer: Option<FloatTensor<B>>,
+        _: usize,
+        _: usize,
+    ) -> Result<FloatTensor<B>, (FloatTensor<B>, Option<FloatTensor<B>>)> {
+        Err((grad, buffer))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(feature = "cpu")]
+    use burn::backend::Flex;
+    use burn::backend::NdArray;
     use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, NoCheckpointing};
-    use burn::backend::{Flex, NdArray};
     use burn::module::ParamId;
     use burn::tensor::backend::AutodiffBackend;
     use burn::tensor::{Distribution, Tensor, TensorPrimitive};
@@ -617,6 +652,7 @@ mod tests {
         }
     }
 
+    #[cfg(feature = "cpu")]
     /// Runs `f` with this thread's views sent down the generic path.
     fn generic_only(f: impl FnOnce()) {
         host::GENERIC_ONLY.with(|g| g.set(true));
@@ -626,6 +662,7 @@ mod tests {
 
     /// Flex on its host path, and both backends on the generic path: the same bits as the
     /// narrow path.
+    #[cfg(feature = "cpu")]
     #[test]
     fn views_match_narrow_on_flex_and_on_the_generic_path() {
         for (leaf, recompute) in [(false, false), (true, false), (false, true), (true, true)] {
@@ -642,6 +679,7 @@ mod tests {
     /// The host path and the generic path give the same parameter and the same gradient
     /// buffer, bit for bit, with padding (world 3, 7 rows) and without (world 1), for a fresh
     /// buffer and one another view has written.
+    #[cfg(feature = "cpu")]
     fn host_path_equals_generic_path<B: Backend>(transposed_in_place: bool) {
         type T<B> = FloatTensor<B>;
         let device = Default::default();
@@ -710,6 +748,7 @@ mod tests {
         }
     }
 
+    #[cfg(feature = "cpu")]
     #[test]
     fn host_path_equals_generic_path_on_ndarray_and_flex() {
         host_path_equals_generic_path::<NdArray>(false);
@@ -718,6 +757,7 @@ mod tests {
 
     /// Flex's gradient buffer is written in place when nothing else holds it, and copied
     /// (copy-on-write) when something does: the other holder keeps its values.
+    #[cfg(feature = "cpu")]
     #[test]
     fn flex_buffer_written_in_place_only_when_unshared() {
         let device = Default::default();

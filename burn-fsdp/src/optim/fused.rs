@@ -13,26 +13,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Shape, Tensor, TensorPrimitive};
 
+use super::AdamScalars as Scalars;
 use crate::downcast::{cast, must};
-
-/// The update's scalars, each rounded to `f32` as the generic path's scalar operands are.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Scalars {
-    /// `1 - lr · weight_decay`, when there is weight decay.
-    pub(super) decay: Option<f32>,
-    /// `1 - β₁`.
-    pub(super) one_minus_b1: f32,
-    /// `β₂`.
-    pub(super) b2: f32,
-    /// `1 - β₂`.
-    pub(super) one_minus_b2: f32,
-    /// `√(1 - β₂ᵗ)`.
-    pub(super) sqrt_bias_correction2: f32,
-    /// `ε`.
-    pub(super) eps: f32,
-    /// `lr / (1 - β₁ᵗ)`.
-    pub(super) step_size: f32,
-}
 
 /// One element of the update: the new parameter, `exp_avg` and `exp_avg_sq`.
 #[inline(always)]
