@@ -36,7 +36,7 @@ use burn::tensor::{DType, Shape, Tensor, TensorMetadata, TensorPrimitive};
 
 use crate::fsdp::collectives::{Phase, UnitComm};
 use crate::fsdp::offload::HostStore;
-use crate::fsdp::prefetch::{Deliver, Prefetcher};
+use crate::fsdp::prefetch::{Deliver, Prefetcher, ShardTarget, register_pieces};
 use crate::fsdp::view::{ParamView, ViewGroup};
 use burn::module::ParamId;
 
@@ -159,6 +159,12 @@ impl<B: Backend, const N: usize> Backward<B, N> for GatherBackward<B> {
 
     fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
         let grad = wrap::<B>(grads.consume::<B>(&ops.node));
+        let targets = match &self.parents {
+            Parents::Direct(shapes) => {
+                shard_targets(ops.parents.iter().map(|p| p.as_ref().map(|n| n.id)), shapes)
+            }
+            _ => Vec::new(),
+        };
         // The flat fallback's parent is Burn's own concatenation, whose backward needs its
         // gradient registered now: it waits for its reduce-scatter (still on the
         // communication thread, to keep every rank's collectives in one order).
@@ -167,15 +173,9 @@ impl<B: Backend, const N: usize> Backward<B, N> for GatherBackward<B> {
             // Reduce on the communication thread while backward goes on: the shards' gradients
             // are registered on their nodes by the backward's last step (`BackwardEnd`) or by
             // `Fsdp::gradients`; offloaded ones go straight to the host.
-            let (deliver, targets): (Option<Deliver<B>>, _) = match self.parents {
-                Parents::Host(host, ids) => {
-                    (Some(Box::new(move |g| host.accumulate_grad(&ids, g))), Vec::new())
-                }
-                Parents::Direct(shapes) => {
-                    let nodes = ops.parents.iter().map(|p| p.as_ref().map(|n| n.id));
-                    (None, nodes.zip(shapes).map(|(node, (shape, dtype))| (node, shape, dtype)).collect())
-                }
-                Parents::Flat => unreachable!("the flat fallback reduces inline"),
+            let deliver: Option<Deliver<B>> = match self.parents {
+                Parents::Host(host, ids) => Some(Box::new(move |g| host.accumulate_grad(&ids, g))),
+                _ => None,
             };
             prefetch.reduce(self.comm.unit.index, &self.comm.unit, grad, deliver, targets);
             return;
@@ -198,24 +198,20 @@ impl<B: Backend, const N: usize> Backward<B, N> for GatherBackward<B> {
                     host.accumulate_grad(&ids, g);
                 }
             }
-            Parents::Direct(shapes) => {
+            Parents::Direct(_) => {
                 // Without sync the full gradient was kept for later; the shards get nothing
                 // now (leaves need no gradient to be registered).
                 let Some(g) = reduced else { return };
-                let mut offset = 0;
-                for (i, (shape, dtype)) in shapes.into_iter().enumerate() {
-                    let n = shape.num_elements();
-                    if let Some(node) = &ops.parents[i] {
-                        let piece = g.clone().narrow(0, offset, n);
-                        let piece = if piece.dtype() == dtype { piece } else { piece.cast(dtype) };
-                        let piece = B::float_reshape(piece.into_primitive().tensor(), shape);
-                        grads.register::<B>(node.id, piece);
-                    }
-                    offset += n;
-                }
+                register_pieces(grads, g, targets);
             }
         }
     }
+}
+
+/// The direct parents' nodes (the shards, in unit order; `None` where a shard needs no
+/// gradient) with their shapes and dtypes: where a reduced flat shard gradient's pieces go.
+fn shard_targets(nodes: impl Iterator<Item = Option<NodeId>>, shapes: &[(Shape, DType)]) -> Vec<ShardTarget> {
+    nodes.zip(shapes.iter().cloned()).map(|(node, (shape, dtype))| (node, shape, dtype)).collect()
 }
 
 /// The last step of a backward pass through gathers whose reduce-scatters run on the

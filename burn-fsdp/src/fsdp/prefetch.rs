@@ -154,8 +154,7 @@ struct State<B: Backend> {
     current: [Vec<usize>; 2],
     /// Prefetched gathers, per pass and unit.
     ready: [HashMap<usize, Pending<Tensor<B, 1>>>; 2],
-    /// Reduce-scatters in flight: unit, reduced shard gradient (`None` without sync) and
-    /// where its pieces go.
+    /// Reduce-scatters in flight.
     reductions: Vec<Reduction<B>>,
 }
 
@@ -358,7 +357,7 @@ impl<B: Backend> Prefetcher<B> {
         self.gather(Pass::Backward, unit, comm, shard)
     }
 
-    /// Queues the reduce-scatter of `unit`'s full gradient, then, for offloaded units,
+    /// Queues the reduce-scatter of the unit's full gradient, then, for offloaded units,
     /// `deliver` with the reduced shard gradient on the communication thread. `targets` are
     /// the unit's shards in unit order, where [`collect_into`](Self::collect_into) registers
     /// the pieces (empty for offloaded units).
@@ -395,10 +394,9 @@ impl<B: Backend> Prefetcher<B> {
     }
 
     /// Waits for every reduce-scatter in flight and returns the reduced shard gradients by
-    /// unit (units without sync or offloaded ones have none).
-    ///
-    /// Backward is over then: the saved shard references are released too, so that the
-    /// optimizer step's old shards are not kept alive until the next forward.
+    /// unit (units without sync or offloaded ones have none), for a backward without the node
+    /// that collects them (the segmented backward of activation checkpointing, whose blocks
+    /// run again on copies of the shards: their pieces are registered by parameter id).
     pub(crate) fn finish_reductions(&self) -> Vec<(usize, Tensor<B, 1>)> {
         let pending = std::mem::take(&mut self.state().reductions);
         let out = pending.into_iter().filter_map(|(u, p, _)| self.timed_wait(p).map(|g| (u, g))).collect();
@@ -418,16 +416,8 @@ impl<B: Backend> Prefetcher<B> {
     pub(crate) fn collect_into(&self, grads: &mut Gradients) {
         let pending = std::mem::take(&mut self.state().reductions);
         for (_, p, targets) in pending {
-            let Some(g) = self.timed_wait(p) else { continue };
-            let mut offset = 0;
-            for (node, shape, dtype) in targets {
-                let n = shape.num_elements();
-                if let Some(node) = node {
-                    let piece = g.clone().narrow(0, offset, n);
-                    let piece = if piece.dtype() == dtype { piece } else { piece.cast(dtype) };
-                    grads.register::<B>(node, shard_shaped(piece, shape));
-                }
-                offset += n;
+            if let Some(g) = self.timed_wait(p) {
+                register_pieces(grads, g, targets);
             }
         }
         self.end_backward();
@@ -443,8 +433,24 @@ impl<B: Backend> Prefetcher<B> {
     }
 }
 
+/// Registers each parameter's piece of a unit's reduced flat shard gradient `g` on its
+/// shard's node (`targets` in unit order; `None` nodes need no gradient), added to what is
+/// there.
+pub(crate) fn register_pieces<B: Backend>(grads: &mut Gradients, g: Tensor<B, 1>, targets: Vec<ShardTarget>) {
+    let mut offset = 0;
+    for (node, shape, dtype) in targets {
+        let n = shape.num_elements();
+        if let Some(node) = node {
+            let piece = g.clone().narrow(0, offset, n);
+            let piece = if piece.dtype() == dtype { piece } else { piece.cast(dtype) };
+            grads.register::<B>(node, shard_shaped(piece, shape));
+        }
+        offset += n;
+    }
+}
+
 /// A piece of a flat gradient in its parameter's shape, sharing memory where it can.
-pub(crate) fn shard_shaped<B: Backend>(piece: Tensor<B, 1>, shape: Shape) -> B::FloatTensorPrimitive {
+fn shard_shaped<B: Backend>(piece: Tensor<B, 1>, shape: Shape) -> B::FloatTensorPrimitive {
     macro_rules! to {
         ($($d:literal)*) => {
             match shape.num_dims() {

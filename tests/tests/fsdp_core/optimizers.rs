@@ -239,15 +239,22 @@ fn burn_rmsprop_on_shards_matches_one_device() {
     check("RmsProp", rmsprop::<AB, Mlp<AB>>, rmsprop::<FB, Mlp<FB>>);
 }
 
+/// At W = 2: this rank's FSDP-wrapped MLP (default config) and its 6 rows of step 0's batch.
+fn wrapped_with_rows(
+    group: std::sync::Arc<burn_fsdp::LocalGroup>,
+) -> Result<(Fsdp<FB, Mlp<FB>>, Tensor<FB, 2>, Tensor<FB, 2>), burn_fsdp::FsdpError> {
+    let device = Default::default();
+    let rank = group.rank();
+    let mesh = DeviceMesh::new_1d(group, device);
+    let fsdp = Fsdp::wrap(Mlp::<FB>::new(&device), &mesh, FsdpConfig::default())?;
+    let (x, y) = batch::<FB>(0, &device);
+    Ok((fsdp, x.narrow(0, rank * 6, 6), y.narrow(0, rank * 6, 6)))
+}
+
 #[test]
 fn optimizers_that_need_whole_parameters_are_refused() {
     let err = launch(2, Duration::from_secs(30), |group| {
-        let device = Default::default();
-        let rank = group.rank();
-        let mesh = DeviceMesh::new_1d(group, device);
-        let mut fsdp = Fsdp::wrap(Mlp::<FB>::new(&device), &mesh, FsdpConfig::default())?;
-        let (x, y) = batch::<FB>(0, &device);
-        let (x, y) = (x.narrow(0, rank * 6, 6), y.narrow(0, rank * 6, 6));
+        let (mut fsdp, x, y) = wrapped_with_rows(group)?;
         let loss = fsdp.forward(|m, r| m.loss(x, y, r));
         let grads = fsdp.gradients(loss.backward());
         let mut muon = burn::optim::MuonConfig::new().init::<FB, Mlp<FB>>();
@@ -265,12 +272,7 @@ fn optimizers_that_need_whole_parameters_are_refused() {
 #[test]
 fn uncollected_reduce_scatters_are_an_error_not_a_silent_step() {
     let errors = launch(2, Duration::from_secs(30), |group| {
-        let device = Default::default();
-        let rank = group.rank();
-        let mesh = DeviceMesh::new_1d(group, device);
-        let mut fsdp = Fsdp::wrap(Mlp::<FB>::new(&device), &mesh, FsdpConfig::default())?;
-        let (x, y) = batch::<FB>(0, &device);
-        let (x, y) = (x.narrow(0, rank * 6, 6), y.narrow(0, rank * 6, 6));
+        let (mut fsdp, x, y) = wrapped_with_rows(group)?;
         let run = fsdp.forward_checkpointed(|m, r| m.loss(x.clone(), y.clone(), r));
         let grads = run.gradients(fsdp.module());
         let mut adam = AdamWConfig::new().init();
