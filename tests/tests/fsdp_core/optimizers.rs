@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
-use burn::backend::{Autodiff, NdArray};
+use burn::backend::{Autodiff, Flex, NdArray};
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
 use burn::nn::Linear;
 use burn::optim::decay::WeightDecayConfig;
@@ -16,8 +16,8 @@ use burn::optim::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamConfig, AdamWConfig, GradientsParams, Optimizer, RmsPropConfig, SgdConfig};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Tensor, TensorData};
-use burn_fsdp::{DeviceMesh, Direct, Fsdp, FsdpConfig, PathStack, UnitRunner, launch};
+use burn::tensor::{ElementConversion, Tensor, TensorData};
+use burn_fsdp::{DeviceMesh, Direct, Fsdp, FsdpBackend, FsdpConfig, PathStack, UnitRunner, launch};
 use tests::max_rel_diff;
 
 type AB = Autodiff<NdArray<f32>>;
@@ -94,19 +94,21 @@ fn parameters<B: Backend, M: Module<B>>(module: &M) -> HashMap<String, Vec<f64>>
 }
 
 /// Losses and final parameters of one device training on the whole batch.
-fn single<O: Optimizer<Mlp<AB>, AB>>(mut optim: O) -> (Vec<f64>, HashMap<String, Vec<f64>>) {
+fn single<S: AutodiffBackend, O: Optimizer<Mlp<S>, S>>(
+    mut optim: O,
+) -> (Vec<f64>, HashMap<String, Vec<f64>>) {
     let device = Default::default();
-    let mut model = Mlp::<AB>::new(&device);
+    let mut model = Mlp::<S>::new(&device);
     let mut lr = schedule();
     let mut losses = Vec::new();
     for step in 0..STEPS {
-        let (x, y) = batch::<AB>(step, &device);
+        let (x, y) = batch::<S>(step, &device);
         let loss = model.loss(x, y, &mut Direct);
-        losses.push(loss.clone().into_scalar() as f64);
+        losses.push(loss.clone().into_scalar().elem::<f64>());
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(lr.step(), model, grads);
     }
-    (losses, parameters::<NdArray<f32>, _>(&model.valid()))
+    (losses, parameters::<S::InnerBackend, _>(&model.valid()))
 }
 
 /// How a training loop takes its gradients.
@@ -121,27 +123,27 @@ enum Grads {
 }
 
 /// The same under FSDP at `world` ranks, each on its rows of the batch.
-fn fsdp<O: Optimizer<Mlp<FB>, FB> + 'static>(
+fn fsdp<F: FsdpBackend, O: Optimizer<Mlp<F>, F> + 'static>(
     world: usize,
     prefetch: bool,
     how: Grads,
     make: fn() -> O,
 ) -> (Vec<f64>, HashMap<String, Vec<f64>>) {
     let mut out = launch(world, Duration::from_secs(60), move |group| {
-        let device = Default::default();
+        let device: burn::tensor::Device<F> = Default::default();
         let rank = group.rank();
-        let mesh = DeviceMesh::new_1d(group, device);
+        let mesh = DeviceMesh::new_1d(group, device.clone());
         let config = FsdpConfig { prefetch, ..FsdpConfig::default() };
-        let mut fsdp = Fsdp::wrap(Mlp::<FB>::new(&device), &mesh, config)?;
+        let mut fsdp = Fsdp::wrap(Mlp::<F>::new(&device), &mesh, config)?;
         let mut optim = make();
         let mut lr = schedule();
         let mut losses = Vec::new();
         let per = ROWS / world;
         for step in 0..STEPS {
-            let (x, y) = batch::<FB>(step, &device);
+            let (x, y) = batch::<F>(step, &device);
             let (x, y) = (x.narrow(0, rank * per, per), y.narrow(0, rank * per, per));
             let loss = fsdp.forward(|m, r| m.loss(x, y, r));
-            let local = loss.clone().into_scalar() as f64;
+            let local = loss.clone().into_scalar().elem::<f64>();
             losses.push(fsdp.all_reduce_scalar(local, burn_fsdp::ReduceOp::Avg, "loss")?);
             let grads = match how {
                 Grads::Fsdp => fsdp.gradients(loss.backward()),
@@ -174,16 +176,27 @@ where
     O1: Optimizer<Mlp<AB>, AB>,
     O2: Optimizer<Mlp<FB>, FB> + 'static,
 {
-    let (want_losses, want_params) = single(single_optim());
+    check_on::<AB, FB, O1, O2>(name, single_optim, fsdp_optim);
+}
+
+/// [`check`] on one device of backend `S` and FSDP on `F`.
+fn check_on<S, F, O1, O2>(name: &str, single_optim: fn() -> O1, fsdp_optim: fn() -> O2)
+where
+    S: AutodiffBackend,
+    F: FsdpBackend,
+    O1: Optimizer<Mlp<S>, S>,
+    O2: Optimizer<Mlp<F>, F> + 'static,
+{
+    let (want_losses, want_params) = single::<S, O1>(single_optim());
     // The optimizer moved the parameters (a test of a no-op would pass trivially).
-    let start = parameters::<AB, _>(&Mlp::<AB>::new(&Default::default()));
+    let start = parameters::<S, _>(&Mlp::<S>::new(&Default::default()));
     let moved = start.iter().map(|(k, v)| max_rel_diff(v, &want_params[k])).fold(0.0, f64::max);
     assert!(moved > 1e-3, "{name}: the parameters barely moved ({moved:e})");
     for world in [2, 3] {
         for (prefetch, how) in
             [(true, Grads::Fsdp), (false, Grads::Fsdp), (true, Grads::Burn), (false, Grads::Burn)]
         {
-            let (losses, params) = fsdp(world, prefetch, how, fsdp_optim);
+            let (losses, params) = fsdp::<F, O2>(world, prefetch, how, fsdp_optim);
             let d = max_rel_diff(&losses, &want_losses);
             assert!(
                 d < 1e-5,
@@ -220,6 +233,19 @@ fn burn_adamw_on_shards_matches_one_device() {
     );
 }
 
+/// What users get by default: burn's Flex CPU backend (`train-qwen3`'s default), Burn's AdamW,
+/// gradients taken the plain Burn way and the other, at W = 2 and 3 against one device on Flex.
+#[test]
+fn burn_adamw_on_flex_the_default_backend_matches_one_device() {
+    type S = Autodiff<Flex>;
+    type F = Autodiff<Flex, BalancedCheckpointing>;
+    check_on::<S, F, _, _>(
+        "AdamW on Flex",
+        || AdamWConfig::new().with_weight_decay(0.1).init::<S, Mlp<S>>(),
+        || AdamWConfig::new().with_weight_decay(0.1).init::<F, Mlp<F>>(),
+    );
+}
+
 #[test]
 fn burn_sgd_with_momentum_on_shards_matches_one_device() {
     fn sgd<B: AutodiffBackend, M: AutodiffModule<B>>() -> impl Optimizer<M, B> {
@@ -239,10 +265,11 @@ fn burn_rmsprop_on_shards_matches_one_device() {
     check("RmsProp", rmsprop::<AB, Mlp<AB>>, rmsprop::<FB, Mlp<FB>>);
 }
 
+/// A rank's FSDP-wrapped MLP with its rows of a batch (inputs, targets).
+type WithRows = (Fsdp<FB, Mlp<FB>>, Tensor<FB, 2>, Tensor<FB, 2>);
+
 /// At W = 2: this rank's FSDP-wrapped MLP (default config) and its 6 rows of step 0's batch.
-fn wrapped_with_rows(
-    group: std::sync::Arc<burn_fsdp::LocalGroup>,
-) -> Result<(Fsdp<FB, Mlp<FB>>, Tensor<FB, 2>, Tensor<FB, 2>), burn_fsdp::FsdpError> {
+fn wrapped_with_rows(group: std::sync::Arc<burn_fsdp::LocalGroup>) -> Result<WithRows, burn_fsdp::FsdpError> {
     let device = Default::default();
     let rank = group.rank();
     let mesh = DeviceMesh::new_1d(group, device);
