@@ -134,6 +134,19 @@ pub enum FsdpError {
         /// The panic message of the forward.
         cause: String,
     },
+    /// A module run through the runner holds parameters of two units: a unit is gathered and
+    /// reduced as one, so each must run on its own.
+    #[error(
+        "FSDP: a module run through the runner holds parameters of units `{first}` and `{second}`; \
+         run each unit through the runner on its own (e.g. each element of the Vec of blocks), or make \
+         them one unit with `UnitPolicy::Prefixes`"
+    )]
+    UnitsMixed {
+        /// One unit of the module.
+        first: String,
+        /// Another unit of the same module.
+        second: String,
+    },
     /// A forward began while reduce-scatters of the previous backward had not been collected:
     /// a backward pass ran outside the forward's own graph (e.g. of a
     /// [`forward_checkpointed`](Fsdp::forward_checkpointed) loss without
@@ -157,6 +170,14 @@ pub enum FsdpError {
         /// What the initialiser said.
         error: InitError,
     },
+}
+
+/// What a runner unwinds with when a module it runs holds parameters of two units; the forward
+/// that catches it returns [`FsdpError::UnitsMixed`].
+#[derive(Debug)]
+pub(crate) struct MixedUnits {
+    first: String,
+    second: String,
 }
 
 /// Makes every occurrence of a parameter id hold the tensor of its first occurrence.
@@ -591,7 +612,8 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     }
 
     /// [`forward`](Self::forward), returning [`FsdpError::UnitNotRun`] instead of panicking
-    /// when `f` panics before every unit with sharded parameters went through the runner.
+    /// when `f` panics before every unit with sharded parameters went through the runner, and
+    /// [`FsdpError::UnitsMixed`] when a module run through the runner holds two units.
     /// Other panics of `f` propagate unchanged, among them a failed collective's
     /// [`CollectiveFailure`](crate::CollectiveFailure).
     pub fn try_forward<O>(&self, f: impl FnOnce(&M, &mut FsdpRunner<'_, B, M>) -> O) -> Result<O, FsdpError> {
@@ -616,6 +638,9 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     /// had not been run through the runner; any other panic (a failed collective's among
     /// them) unwinds on unchanged.
     fn forward_failed(&self, ran: &[bool], payload: Box<dyn std::any::Any + Send>) -> FsdpError {
+        if let Some(MixedUnits { first, second }) = payload.downcast_ref::<MixedUnits>() {
+            return FsdpError::UnitsMixed { first: first.clone(), second: second.clone() };
+        }
         let not_run: Vec<String> = (1..self.units.len())
             .filter(|&u| !ran[u] && !self.units[u].params.is_empty() && !self.bypass())
             .map(|u| format!("`{}`", self.units[u].name))
@@ -1124,10 +1149,9 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         let mut units = ids.iter().filter_map(|(id, ..)| self.param_unit.get(id).copied());
         let first = units.next()?;
         if let Some(other) = units.find(|&u| u != first) {
-            panic!(
-                "FSDP: a module run through the runner mixes units `{}` and `{}`; run each unit separately",
-                self.units[first].name, self.units[other].name
-            );
+            // The runner returns a tensor: the forward catches this and returns the error.
+            let (first, second) = (self.units[first].name.clone(), self.units[other].name.clone());
+            std::panic::panic_any(MixedUnits { first, second });
         }
         Some(first)
     }

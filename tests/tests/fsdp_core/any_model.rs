@@ -242,6 +242,51 @@ fn a_unit_called_without_the_runner_gives_an_error_naming_it() {
     }
 }
 
+/// A module run through the runner that holds two units (the whole `Vec` of blocks) is an
+/// `FsdpError` naming both, in training and in evaluation, not a panic.
+#[test]
+fn a_module_spanning_two_units_is_an_error_naming_them() {
+    let device = Default::default();
+    let msgs = launch(2, Duration::from_secs(30), move |group| {
+        let rank = group.rank();
+        let mesh = DeviceMesh::new_1d(group, device);
+        let fsdp = Fsdp::wrap(BnNet::<FB>::new(&device), &mesh, FsdpConfig::default())?;
+        let (x, y) = batch::<FB>(0, &device);
+        let (x, y) = (x.narrow(0, rank * 6, 6), y.narrow(0, rank * 6, 6));
+        let all_blocks = |blocks: &Vec<Block<FB>>, mut h: Tensor<FB, 2>| {
+            for b in blocks {
+                h = b.linear.forward(h).tanh();
+            }
+            h
+        };
+        let train = fsdp
+            .try_forward(|m, r| {
+                (m.head.forward(r.run(&m.blocks, x.clone(), all_blocks)) - y).powf_scalar(2.0).mean()
+            })
+            .map(|_| ())
+            .unwrap_err();
+        let valid = fsdp
+            .forward_valid(|m, r| {
+                r.run(&m.blocks, x.inner(), |blocks, mut h| {
+                    for b in blocks {
+                        h = b.linear.forward(h).tanh();
+                    }
+                    h
+                })
+            })
+            .map(|_| ())
+            .unwrap_err();
+        Ok::<_, burn_fsdp::FsdpError>([train.to_string(), valid.to_string()])
+    })
+    .unwrap();
+    for msg in msgs.iter().flatten() {
+        assert!(
+            msg.contains("`blocks.0`") && msg.contains("`blocks.1`") && msg.contains("on its own"),
+            "{msg}"
+        );
+    }
+}
+
 /// Evaluation (Burn's `valid()`: BatchNorm on its running statistics) of the sharded model
 /// equals the whole model's: at wrap against one device, and after training against the
 /// gathered parameters with the rank's own running statistics.

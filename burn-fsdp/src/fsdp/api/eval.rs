@@ -48,7 +48,11 @@ impl<B: FsdpBackend, M: AutodiffModule<B>> Fsdp<B, M> {
             self.gather_valid(inner, 0)
         };
         let mut runner = FsdpEvalRunner { fsdp: self };
-        Ok(f(&root, &mut runner))
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&root, &mut runner)));
+        result.map_err(|payload| match payload.downcast::<super::MixedUnits>() {
+            Ok(m) => FsdpError::UnitsMixed { first: m.first, second: m.second },
+            Err(payload) => std::panic::resume_unwind(payload),
+        })
     }
 
     /// `module` (on the inner backend) with unit `u`'s parameters all-gathered.
