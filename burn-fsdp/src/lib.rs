@@ -20,7 +20,7 @@
 //!   `comm::mpi` with the `mpi` feature), the host reductions they share ([`comm::host`]) and
 //!   [`DeviceMesh`] ([`comm::mesh`]). Nothing in it imports from the files below.
 //! - [`fsdp`] — FSDP proper, on top, after PyTorch's `_fully_shard/`, one concept per file
-//!   under `src/fsdp/`: [`param`] (the sharded parameter), [`unit`](mod@unit) (the parameter
+//!   under `src/fsdp/`: [`param`] (the sharded parameter), [`param_group`] (the parameter
 //!   group), [`collectives`] and [`prefetch`] (the unit's gathers and reduce-scatters, inline or
 //!   on a communication thread), [`op`] (the autodiff hooks), [`view`] (the parameters cut out
 //!   of a gathered unit), [`offload`], [`init`] (deferred, per-shard initialisation:
@@ -49,10 +49,11 @@ pub mod runner;
 pub mod tp;
 #[cfg(feature = "cpu")]
 mod transpose;
+pub mod unit;
 pub mod walk;
 
 // FSDP's parts at their earlier paths (`burn_fsdp::param`, `burn_fsdp::offload`, …).
-pub use fsdp::{collectives, init, offload, op, param, prefetch, unit, view};
+pub use fsdp::{collectives, init, offload, op, param, param_group, prefetch, view};
 
 pub use comm::local::{LocalGroup, launch};
 pub use comm::mesh::DeviceMesh;
@@ -62,4 +63,5 @@ pub use host_memory::retain_host_memory;
 pub use op::FsdpBackend;
 pub use optim::{TorchAdamW, TorchAdamWConfig, clip_grad_norm, grad_norm};
 pub use runner::{Direct, ModuleHooks, NoHooks, UnitRunner};
+pub use unit::FsdpUnit;
 pub use walk::PathStack;

@@ -27,6 +27,10 @@ impl PathStack {
     pub fn current(&self) -> String {
         self.0.join(".")
     }
+    /// The segments of the current position.
+    pub(crate) fn segments(&self) -> &[String] {
+        &self.0
+    }
 }
 
 /// `(id, path, shape)` of every float parameter, in visiting order, each id once.

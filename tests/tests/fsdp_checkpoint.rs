@@ -8,6 +8,7 @@ use std::time::Duration;
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::{Autodiff, NdArray};
 use burn::tensor::{Int, Tensor, TensorData};
+use burn_fsdp::UnitPolicy;
 use burn_fsdp::checkpoint::{INDEX_FILE, rank_file, read_index};
 use burn_fsdp::{DeviceMesh, Fsdp, FsdpConfig, launch};
 use qwen3_burn::checkpoint::SafetensorsFile;
@@ -93,7 +94,11 @@ fn consolidated_export_matches_the_live_fsdp_model() {
         let device = Default::default();
         let replica = Qwen3::<FB>::from_weights(&config, weights.as_slice(), &device).unwrap();
         let mesh = DeviceMesh::new_1d(group.clone(), device);
-        let mut fsdp = Fsdp::wrap(replica, &mesh, FsdpConfig::default())?;
+        let mut fsdp = Fsdp::wrap(
+            replica,
+            &mesh,
+            FsdpConfig { units: UnitPolicy::VecElements, ..FsdpConfig::default() },
+        )?;
         // A few steps, so the export is not just the input checkpoint.
         let mut adam = burn_fsdp::TorchAdamWConfig { lr: 0.01, ..Default::default() }.init();
         let x = Tensor::<FB, 2, Int>::from_data(TensorData::new(ids.clone(), [shape[0], shape[1]]), &device);
@@ -241,7 +246,11 @@ fn a_checkpoint_of_another_model_is_refused_and_nothing_is_half_loaded() {
         let device = Default::default();
         let mesh = DeviceMesh::new_1d(group, device);
         let replica = Qwen3::<FB>::from_weights(&config, weights.as_slice(), &device).unwrap();
-        let mut fsdp = Fsdp::wrap(replica, &mesh, FsdpConfig::default())?;
+        let mut fsdp = Fsdp::wrap(
+            replica,
+            &mesh,
+            FsdpConfig { units: UnitPolicy::VecElements, ..FsdpConfig::default() },
+        )?;
         let before = fsdp.module().model.norm.weight.val().into_data();
         let mut adam = burn_fsdp::TorchAdamWConfig::default().init();
         let mut wrong = serde_json::to_value(&config).unwrap();

@@ -5,6 +5,9 @@
 /// this test binary rather than its own, to save a link of the test crate in CI.
 #[path = "fsdp_core/any_model.rs"]
 mod any_model;
+#[path = "fsdp_core/as_written.rs"]
+/// Models left as written (issue #42): no runner, units marked with `FsdpUnit` or none.
+mod as_written;
 #[path = "fsdp_core/optimizers.rs"]
 mod optimizers;
 #[path = "fsdp_core/shared_units.rs"]
@@ -17,6 +20,7 @@ use burn::backend::{Autodiff, NdArray};
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::Tensor;
+use burn_fsdp::UnitPolicy;
 use burn_fsdp::{
     CollectiveKind, CommStats, DeviceMesh, Direct, Fsdp, FsdpConfig, ProcessGroup, Tag, TorchAdamWConfig,
     launch,
@@ -85,7 +89,16 @@ fn collect_values(m: &Toy<B>) -> Vec<Vec<f32>> {
 
 /// FSDP toy training on `world` in-process ranks; returns rank 0's view.
 fn toy_fsdp(world: usize, micro: usize, clip: f64, reshard: bool) -> Run {
-    toy_fsdp_with(world, micro, clip, FsdpConfig { reshard_after_forward: reshard, ..FsdpConfig::default() })
+    toy_fsdp_with(
+        world,
+        micro,
+        clip,
+        FsdpConfig {
+            units: UnitPolicy::VecElements,
+            reshard_after_forward: reshard,
+            ..FsdpConfig::default()
+        },
+    )
 }
 
 /// [`toy_fsdp`] with any config.
@@ -234,7 +247,11 @@ fn counts(world: usize, micro: usize, reshard: bool) -> Vec<CommStats> {
         let device = Default::default();
         let rank = group.rank();
         let mesh = DeviceMesh::new_1d(group, device);
-        let config = FsdpConfig { reshard_after_forward: reshard, ..FsdpConfig::default() };
+        let config = FsdpConfig {
+            units: UnitPolicy::VecElements,
+            reshard_after_forward: reshard,
+            ..FsdpConfig::default()
+        };
         let fsdp = Fsdp::wrap(Toy::<FB>::new(3, &device), &mesh, config)?;
         let per = ROWS / world / micro;
         let mut stats = vec![fsdp.comm_stats()];
@@ -293,7 +310,11 @@ fn a_rank_that_panics_makes_the_others_fail_within_the_timeout() {
         let device = Default::default();
         let rank = group.rank();
         let mesh = DeviceMesh::new_1d(group, device);
-        let fsdp = Fsdp::wrap(Toy::<FB>::new(3, &device), &mesh, FsdpConfig::default())?;
+        let fsdp = Fsdp::wrap(
+            Toy::<FB>::new(3, &device),
+            &mesh,
+            FsdpConfig { units: UnitPolicy::VecElements, ..FsdpConfig::default() },
+        )?;
         for step in 0..3 {
             if rank == 2 && step == 1 {
                 panic!("rank 2 dies on purpose");
@@ -335,12 +356,21 @@ fn mismatched_collectives_are_reported() {
 fn reshard_needs_balanced_checkpointing() {
     let groups = burn_fsdp::LocalGroup::new_group(2, Duration::from_secs(1));
     let mesh = DeviceMesh::<B>::new_1d(groups[0].clone(), Default::default());
-    let err = Fsdp::wrap(Toy::<AB>::new(1, &Default::default()), &mesh, FsdpConfig::default()).unwrap_err();
+    let err = Fsdp::wrap(
+        Toy::<AB>::new(1, &Default::default()),
+        &mesh,
+        FsdpConfig { units: UnitPolicy::VecElements, ..FsdpConfig::default() },
+    )
+    .unwrap_err();
     assert!(err.to_string().contains("BalancedCheckpointing"), "{err}");
     // Wrapping is collective (rank 0's values are broadcast): both ranks wrap.
     launch(2, Duration::from_secs(30), |group| {
         let mesh = DeviceMesh::<B>::new_1d(group, Default::default());
-        let ok = FsdpConfig { reshard_after_forward: false, ..FsdpConfig::default() };
+        let ok = FsdpConfig {
+            units: UnitPolicy::VecElements,
+            reshard_after_forward: false,
+            ..FsdpConfig::default()
+        };
         Fsdp::wrap(Toy::<AB>::new(1, &Default::default()), &mesh, ok).map(|_| ())
     })
     .unwrap();
@@ -404,7 +434,11 @@ fn units_with_many_parameters_use_the_flat_fallback_and_still_match() {
     let got = launch(2, Duration::from_secs(60), |group| {
         let rank = group.rank();
         let mesh = DeviceMesh::new_1d(group, device);
-        let mut fsdp = Fsdp::wrap(Wide::<FB>::new(&device), &mesh, FsdpConfig::default())?;
+        let mut fsdp = Fsdp::wrap(
+            Wide::<FB>::new(&device),
+            &mesh,
+            FsdpConfig { units: UnitPolicy::VecElements, ..FsdpConfig::default() },
+        )?;
         let mut adam = ADAM.init();
         let mut losses = Vec::new();
         for step in 0..3 {
@@ -427,8 +461,14 @@ fn units_with_many_parameters_use_the_flat_fallback_and_still_match() {
 
 #[test]
 fn prefetch_and_async_reduce_scatter_change_nothing_but_the_order_of_waiting() {
-    let inline =
-        |micro, clip| toy_fsdp_with(4, micro, clip, FsdpConfig { prefetch: false, ..FsdpConfig::default() });
+    let inline = |micro, clip| {
+        toy_fsdp_with(
+            4,
+            micro,
+            clip,
+            FsdpConfig { units: UnitPolicy::VecElements, prefetch: false, ..FsdpConfig::default() },
+        )
+    };
     for (micro, clip) in [(1, 0.0), (2, 0.015)] {
         let a = toy_fsdp(4, micro, clip, true);
         let b = inline(micro, clip);

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::{Autodiff, NdArray};
+use burn_fsdp::UnitPolicy;
 use burn_fsdp::init::ShardInit;
 use burn_fsdp::{DeviceMesh, Fsdp, FsdpConfig, launch};
 use qwen3_burn::checkpoint::{HfWeights, TensorOut};
@@ -23,7 +24,12 @@ fn deferred_full(config: &Qwen3Config, world: usize, source: &dyn ShardInit) -> 
         let device = Default::default();
         let skeleton = Qwen3::<FB>::new_seeded(config, Qwen3Init::new(999), &device);
         let mesh = DeviceMesh::new_1d(group, device);
-        let fsdp = Fsdp::wrap_deferred(skeleton, &mesh, FsdpConfig::default(), source)?;
+        let fsdp = Fsdp::wrap_deferred(
+            skeleton,
+            &mesh,
+            FsdpConfig { units: UnitPolicy::VecElements, ..FsdpConfig::default() },
+            source,
+        )?;
         fsdp.full_parameters()
     })
     .unwrap();
@@ -163,7 +169,13 @@ fn a_missing_or_misshapen_tensor_is_refused_by_name() {
         let device = Default::default();
         let skeleton = Qwen3::<FB>::new_seeded(&config, Qwen3Init::new(0), &device);
         let mesh = DeviceMesh::new_1d(group, device);
-        Fsdp::wrap_deferred(skeleton, &mesh, FsdpConfig::default(), &missing).map(|_| ())
+        Fsdp::wrap_deferred(
+            skeleton,
+            &mesh,
+            FsdpConfig { units: UnitPolicy::VecElements, ..FsdpConfig::default() },
+            &missing,
+        )
+        .map(|_| ())
     })
     .unwrap_err()
     .to_string();

@@ -11,6 +11,7 @@ use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::{Autodiff, NdArray};
 use burn::module::Module;
 use burn::tensor::{Int, Tensor};
+use burn_fsdp::UnitPolicy;
 use burn_fsdp::{DeviceMesh, Fsdp, FsdpConfig, UnitRunner, launch};
 use qwen3_burn::{Qwen3, Qwen3Config};
 use tests::alloc::{CURRENT, PEAK};
@@ -91,7 +92,12 @@ fn measure(world: usize, reshard: bool, prefetch: bool) -> Measured {
         let fsdp = Fsdp::wrap(
             model,
             &mesh,
-            FsdpConfig { reshard_after_forward: reshard, prefetch, ..FsdpConfig::default() },
+            FsdpConfig {
+                units: UnitPolicy::VecElements,
+                reshard_after_forward: reshard,
+                prefetch,
+                ..FsdpConfig::default()
+            },
         )?;
         let ids = Tensor::<FB, 2, Int>::from_ints([[1, 2]], &device);
         // A warm-up step, so that lazily created buffers (thread pools, kernels' scratch) are
@@ -181,7 +187,11 @@ fn between_steps(world: usize, prefetch: bool, steps: usize) -> (Vec<isize>, isi
         let device = Default::default();
         let model = Qwen3::<FB>::from_weights(&config, weights.as_slice(), &device).unwrap();
         let mesh = DeviceMesh::new_1d(fsdp_group, device);
-        let mut fsdp = Fsdp::wrap(model, &mesh, FsdpConfig { prefetch, ..FsdpConfig::default() })?;
+        let mut fsdp = Fsdp::wrap(
+            model,
+            &mesh,
+            FsdpConfig { units: UnitPolicy::VecElements, prefetch, ..FsdpConfig::default() },
+        )?;
         let mut adam = burn_fsdp::TorchAdamWConfig::default().init();
         let ids = Tensor::<FB, 2, Int>::from_ints([[1, 2, 3, 4]], &device);
         for _ in 0..steps {

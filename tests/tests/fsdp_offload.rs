@@ -75,7 +75,11 @@ fn memory_per_rank_against_16_psi_over_w() {
             let rank = group.rank();
             let mesh = DeviceMesh::new_1d(group, device);
             let replica = Qwen3::<FB>::from_weights(&config, weights.as_slice(), &device).unwrap();
-            let config = FsdpConfig { offload: OffloadPolicy { enabled: true }, ..Default::default() };
+            let config = FsdpConfig {
+                offload: OffloadPolicy { enabled: true },
+                units: qwen3_burn::parallelize::fsdp_units(),
+                ..Default::default()
+            };
             let mut fsdp = Fsdp::wrap(replica, &mesh, config)?;
             let rows = shape[0] / world;
             let x = Tensor::<FB, 2, Int>::from_data(

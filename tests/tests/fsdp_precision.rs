@@ -6,6 +6,7 @@ use std::time::Duration;
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::{Autodiff, Flex, NdArray};
 use burn::tensor::DType;
+use burn_fsdp::UnitPolicy;
 use burn_fsdp::{CollectiveKind, DeviceMesh, Fsdp, FsdpConfig, MixedPrecisionPolicy, launch};
 use tests::toy::{Toy, toy_batch};
 use tests::{max_rel_diff, reference, train_args};
@@ -52,7 +53,7 @@ fn bf16_halves_all_gather_bytes_and_keeps_fp32_master_shards() {
             let mut fsdp = Fsdp::wrap(
                 Toy::<FlexAd>::new(2, &device),
                 &mesh,
-                FsdpConfig { mp_policy: mp, ..Default::default() },
+                FsdpConfig { units: UnitPolicy::VecElements, mp_policy: mp, ..Default::default() },
             )?;
             let before = fsdp.comm_stats();
             let (x, y) = toy_batch::<FlexAd>(0, 4, &device);
@@ -85,7 +86,7 @@ fn a_backend_without_bf16_is_refused_with_a_clear_error() {
     let err = Fsdp::wrap(
         Toy::<B>::new(1, &Default::default()),
         &mesh,
-        FsdpConfig { mp_policy: BF16, ..Default::default() },
+        FsdpConfig { units: UnitPolicy::VecElements, mp_policy: BF16, ..Default::default() },
     )
     .unwrap_err()
     .to_string();
@@ -140,7 +141,7 @@ fn units_compute_in_bf16_on_bf16_parameters() {
         let fsdp = Fsdp::wrap(
             Toy::<FlexAd>::new(2, &device),
             &mesh,
-            FsdpConfig { mp_policy: BF16, ..Default::default() },
+            FsdpConfig { units: UnitPolicy::VecElements, mp_policy: BF16, ..Default::default() },
         )?;
         let (x, y) = toy_batch::<FlexAd>(0, 4, &device);
         let mut seen = Vec::new();
@@ -170,7 +171,7 @@ fn unit_inputs_are_cast_to_param_dtype_and_outputs_to_output_dtype() {
         let fsdp = Fsdp::wrap(
             Toy::<FlexAd>::new(1, &device),
             &mesh,
-            FsdpConfig { mp_policy: policy, ..Default::default() },
+            FsdpConfig { units: UnitPolicy::VecElements, mp_policy: policy, ..Default::default() },
         )?;
         let x = burn::tensor::Tensor::<FlexAd, 2>::ones([2, 15], &device);
         let (seen_in, out_dtype) = fsdp.forward(|m, r| {

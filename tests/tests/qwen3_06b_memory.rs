@@ -57,7 +57,12 @@ fn qwen3_0_6b_width_w4_makes_no_full_parameter_copy_and_stays_in_bounds() {
         all_stopped(group, "start", || alloc::log_large(true));
         let skeleton = Qwen3::<FB>::new_seeded(&config, init, &device);
         let mesh = DeviceMesh::new_1d(fsdp_group.clone(), device);
-        let mut fsdp = Fsdp::wrap_deferred(skeleton, &mesh, FsdpConfig::default(), &init)?;
+        let mut fsdp = Fsdp::wrap_deferred(
+            skeleton,
+            &mesh,
+            FsdpConfig { units: qwen3_burn::parallelize::fsdp_units(), ..FsdpConfig::default() },
+            &init,
+        )?;
         all_stopped(group, "wrapped", || {
             alloc::log_large(false);
             let mut r = readings.lock().unwrap();

@@ -106,9 +106,18 @@ fn time_steps<B: Backend>(
         LocalGroup::new_group(1, std::time::Duration::from_secs(600)).pop().context("no rank")?;
     let mesh = DeviceMesh::new_1d(group, device.clone());
     let (mut wrapped, mut plain) = match fsdp {
-        Some(mp_policy) => {
-            (Some(Fsdp::wrap(model, &mesh, FsdpConfig { mp_policy, ..FsdpConfig::default() })?), None)
-        }
+        Some(mp_policy) => (
+            Some(Fsdp::wrap(
+                model,
+                &mesh,
+                FsdpConfig {
+                    units: qwen3_burn::parallelize::fsdp_units(),
+                    mp_policy,
+                    ..FsdpConfig::default()
+                },
+            )?),
+            None,
+        ),
         None => (None, Some(model)),
     };
     let mut start = Instant::now();

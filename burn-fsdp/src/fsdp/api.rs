@@ -18,14 +18,15 @@ use crate::fsdp::init::{InitError, ShardInit};
 use crate::fsdp::offload::{HostStore, OffloadPolicy};
 use crate::fsdp::op::{FsdpBackend, GatherComm};
 use crate::fsdp::param::ShardedParam;
-use crate::fsdp::prefetch::{PrefetchStats, Prefetcher};
-use crate::fsdp::unit::FsdpUnit;
+use crate::fsdp::param_group::ParamGroup;
+use crate::fsdp::prefetch::{Alias, PrefetchStats, Prefetcher};
+use crate::fsdp::scope::{self, UnitHost, Views, run_unit};
 use crate::fsdp::view::{ParamView, ViewGroup};
 use crate::optim::{
     TorchAdamW, clip_coefficient, grad_sq_sum, grad_sq_sum_split, scale_grads, standard_layout_grads,
 };
 use crate::runner::UnitRunner;
-use crate::walk::{deferred_shape, describe_float_tensors, describe_params};
+use crate::walk::{deferred_shape, describe_float_tensors};
 
 mod eval;
 pub use eval::FsdpEvalRunner;
@@ -33,9 +34,15 @@ pub use eval::FsdpEvalRunner;
 /// Which parameters form a unit (one all-gather, one reduce-scatter).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum UnitPolicy {
-    /// Every element of a `Vec` of modules is a unit (for Qwen3: `model.layers.N`); all
-    /// other parameters form the root unit. The default, as torchtitan wraps each block.
+    /// The default: every block the model marks with [`FsdpUnit`](crate::FsdpUnit) is a unit
+    /// (the innermost mark, for nested ones); all other parameters form the root unit. A
+    /// model that marks nothing is one unit, gathered whole for each forward — any Burn
+    /// model, its forward as written.
     #[default]
+    Marked,
+    /// Every element of a `Vec` of modules is a unit (for Qwen3: `model.layers.N`); all
+    /// other parameters form the root unit. The model runs each element through the
+    /// [`UnitRunner`] or an [`FsdpUnit`](crate::FsdpUnit), as torchtitan wraps each block.
     VecElements,
     /// One unit per module-path prefix (e.g. `"encoder.blocks.0"`); parameters under no
     /// prefix form the root unit.
@@ -45,6 +52,8 @@ pub enum UnitPolicy {
 impl UnitPolicy {
     fn unit_of(&self, path: &str) -> String {
         match self {
+            // Resolved from the marks themselves (`scope::discover_units`).
+            UnitPolicy::Marked => String::new(),
             UnitPolicy::VecElements => {
                 let parts: Vec<&str> = path.split('.').collect();
                 // The first numeric segment that is followed by more path is a Vec index.
@@ -275,7 +284,7 @@ fn refuse_whole_parameter_optimizer<O>() -> Result<(), FsdpError> {
 /// ```
 pub struct Fsdp<B: FsdpBackend, M: Module<B>> {
     module: M,
-    units: Vec<FsdpUnit<B::InnerBackend>>,
+    units: Vec<ParamGroup<B::InnerBackend>>,
     param_unit: HashMap<ParamId, usize>,
     /// Paths of the float tensors left whole on every rank: buffers and frozen parameters.
     replicated: Vec<String>,
@@ -451,12 +460,25 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         let mut unit_names: Vec<String> = vec![String::new()];
         let mut members: Vec<Vec<ShardedParam>> = vec![Vec::new()];
         let mut param_unit = HashMap::new();
+        let marked = match config.units {
+            UnitPolicy::Marked => crate::fsdp::scope::discover_units::<B, M>(&model),
+            _ => HashMap::new(),
+        };
+        // Units by key: a marked unit by its number (two marks may share a path), others by name.
+        let mut keys: Vec<(Option<usize>, String)> = vec![(None, String::new())];
         for (id, path, shape) in described {
-            let name = config.units.unit_of(&path);
-            let u = match unit_names.iter().position(|n| *n == name) {
+            let key = match marked.get(&id) {
+                // A mark on the whole model is the root unit.
+                Some((_, name)) if name.is_empty() => (None, String::new()),
+                Some((k, name)) => (Some(*k), name.clone()),
+                None => (None, config.units.unit_of(&path)),
+            };
+            let u = match keys.iter().position(|k| *k == key) {
                 Some(u) => u,
                 None => {
-                    unit_names.push(name);
+                    let taken = unit_names.contains(&key.1);
+                    unit_names.push(if taken { format!("{}#{}", key.1, keys.len()) } else { key.1.clone() });
+                    keys.push(key);
                     members.push(Vec::new());
                     unit_names.len() - 1
                 }
@@ -479,7 +501,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
                     len += p.shard_numel();
                 }
                 let reshard = config.reshard_after_forward && (i > 0 || config.reshard_root);
-                FsdpUnit {
+                ParamGroup {
                     comm: Arc::new(UnitComm {
                         group: group.clone(),
                         replicate: replicate.clone(),
@@ -490,6 +512,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
                         param_dtype: config.mp_policy.param_dtype,
                         reduce_dtype: config.mp_policy.reduce_dtype,
                         index: i,
+                        aliases: Mutex::new(Vec::new()),
                     }),
                     name,
                     params,
@@ -541,7 +564,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     }
 
     /// The units, root first.
-    pub fn units(&self) -> &[FsdpUnit<B::InnerBackend>] {
+    pub fn units(&self) -> &[ParamGroup<B::InnerBackend>] {
         &self.units
     }
 
@@ -629,9 +652,14 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         } else {
             self.gather_view(self.module.clone(), 0, None, end.clone(), self.units[0].reshard_after_forward)
         };
-        let mut runner = FsdpRunner { fsdp: self, ran: vec![false; self.units.len()], rerun: false, end };
+        let mut runner = FsdpRunner::new(self, false, end);
+        // Blocks the model marks with `FsdpUnit` find this forward through the thread.
+        let installed = runner.clone();
+        let host: &dyn UnitHost<B> = &installed;
+        let guard = scope::install(&host);
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&root, &mut runner)));
-        result.map_err(|payload| self.forward_failed(&runner.ran, payload))
+        drop(guard);
+        result.map_err(|payload| self.forward_failed(&runner.ran(), payload))
     }
 
     /// The error of a forward whose closure panicked: [`FsdpError::UnitNotRun`] when units
@@ -680,11 +708,15 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
             let mut leaves = RootLeaves { pairs: Vec::new() };
             (view.map(&mut leaves), leaves.pairs)
         };
-        let ran = vec![false; self.units.len()];
-        let forward = FsdpRunner { fsdp: self, ran: ran.clone(), rerun: false, end: None };
-        let mut runner =
-            CheckpointRunner::new(forward, FsdpRunner { fsdp: self, ran, rerun: true, end: None });
+        let forward = FsdpRunner::new(self, false, None);
+        // `FsdpUnit` blocks run once, gathered (not run again in backward: activation
+        // checkpointing goes through `UnitRunner::run_recomputable`).
+        let installed = forward.clone();
+        let mut runner = CheckpointRunner::new(forward, FsdpRunner::new(self, true, None));
+        let host: &dyn UnitHost<B> = &installed;
+        let guard = scope::install(&host);
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&root, &mut runner)));
+        drop(guard);
         // Every backward ends by locking every autodiff graph of the process, other ranks'
         // included. A rank whose backward blocks in a collective (no communication thread)
         // while holding its graph would wait for a peer stuck in that cleanup: so no rank
@@ -697,7 +729,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
             blocking.then(|| Box::new(move || self.barrier_all("checkpointed-backward")) as _);
         match result {
             Ok(loss) => Checkpointed::new(loss, runner, roots, between),
-            Err(payload) => panic!("{}", self.forward_failed(&runner.inner.ran, payload)),
+            Err(payload) => panic!("{}", self.forward_failed(&runner.inner.ran(), payload)),
         }
     }
 
@@ -1137,16 +1169,17 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         self.module = retie::<B, M>(f(module));
     }
 
-    /// The unit of a module run through the runner; `None` for a module without sharded
-    /// parameters (only buffers or frozen parameters), which runs as it is.
     /// What unit `u`'s gather op talks through: its communicator and the rank's prefetcher.
     fn gather_comm(&self, u: usize) -> GatherComm<B::InnerBackend> {
         GatherComm { unit: self.units[u].comm.clone(), prefetch: self.prefetch.clone() }
     }
 
-    fn unit_of_module<X: Backend, U: Module<X>>(&self, module: &U) -> Option<usize> {
-        let ids = describe_params::<X, U>(module);
-        let mut units = ids.iter().filter_map(|(id, ..)| self.param_unit.get(id).copied());
+    /// The unit of the parameters `ids` of a block run through a runner; `None` for a block
+    /// without sharded parameters (only buffers or frozen parameters), which runs as it is.
+    /// A block holding two units unwinds with [`MixedUnits`] (the forward returns it as
+    /// [`FsdpError::UnitsMixed`]).
+    fn unit_of_ids(&self, ids: &[ParamId]) -> Option<usize> {
+        let mut units = ids.iter().filter_map(|id| self.param_unit.get(id).copied());
         let first = units.next()?;
         if let Some(other) = units.find(|&u| u != first) {
             // The runner returns a tensor: the forward catches this and returns the error.
@@ -1165,6 +1198,29 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         end: Option<FloatTensor<B>>,
         reshard: bool,
     ) -> U {
+        let shards = collect_shards::<B, U>(&module, &self.param_unit, self.units.len());
+        let (gathered, group) = self.gather_full(u, &shards[u], anchor, end, reshard);
+        let unit = &self.units[u];
+        // The root unit's views are the model's `self` in the forward: backward gives them
+        // the shards' gradients too.
+        let mut views = ParamViews { unit, gathered, group, aliases: (u == 0).then(Vec::new) };
+        let view = module.map(&mut views);
+        if let Some(aliases) = views.aliases {
+            unit.comm.set_aliases(aliases);
+        }
+        view
+    }
+
+    /// All-gathers unit `u` from its `shards` (by id): the gathered buffer and the group of
+    /// its parameters' views.
+    fn gather_full(
+        &self,
+        u: usize,
+        shards: &HashMap<ParamId, FloatTensor<B>>,
+        anchor: Option<FloatTensor<B>>,
+        end: Option<FloatTensor<B>>,
+        reshard: bool,
+    ) -> (FloatTensor<B>, Arc<ViewGroup>) {
         let unit = &self.units[u];
         let full = match &self.host {
             Some(host) => {
@@ -1177,13 +1233,11 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
                 B::fsdp_all_gather_offloaded(anchor, end, self.gather_comm(u), host.clone(), ids, reshard)
             }
             None => {
-                let shards = collect_shards::<B, U>(&module, &self.param_unit, self.units.len());
-                let parts = unit_shards::<B, _>(unit, &shards[u]);
+                let parts = unit_shards::<B, _>(unit, shards);
                 B::fsdp_all_gather(parts, anchor, end, self.gather_comm(u), reshard)
             }
         };
-        let group = ViewGroup::new(self.world(), unit.shard_len(), reshard);
-        module.map(&mut ParamViews { unit, gathered: full, group })
+        (full, ViewGroup::new(self.world(), unit.shard_len(), reshard))
     }
 }
 
@@ -1221,7 +1275,7 @@ fn collect_shards<B: Backend, M: Module<B>>(
 
 /// The unit's shards in unit order; a missing one is a bug in how the model runs its units.
 fn unit_shards<B: Backend, I: Backend>(
-    unit: &FsdpUnit<I>,
+    unit: &ParamGroup<I>,
     shards: &HashMap<ParamId, FloatTensor<B>>,
 ) -> Vec<FloatTensor<B>> {
     unit.params
@@ -1238,7 +1292,7 @@ fn unit_shards<B: Backend, I: Backend>(
 
 /// Replaces full parameters by this rank's padded shards (fresh leaves).
 struct Sharder<'a, B: FsdpBackend> {
-    units: &'a [FsdpUnit<B::InnerBackend>],
+    units: &'a [ParamGroup<B::InnerBackend>],
     param_unit: &'a HashMap<ParamId, usize>,
     rank: usize,
     /// With offload, shards go here and the module keeps zero-row placeholders.
@@ -1338,7 +1392,7 @@ impl<B: FsdpBackend> ModuleMapper<B> for Sharder<'_, B> {
 /// Replaces the shards of one unit's parameters by their values cut out of the flat gathered
 /// buffer, without autodiff (`forward_valid`, on the inner backend).
 struct Unsharder<'a, I: Backend> {
-    unit: &'a FsdpUnit<I>,
+    unit: &'a ParamGroup<I>,
     gathered: FloatTensor<I>,
     world: usize,
 }
@@ -1358,9 +1412,11 @@ impl<I: Backend> ModuleMapper<I> for Unsharder<'_, I> {
 /// Replaces the shards of one unit's parameters by their views of the gathered buffer
 /// (training forward: [`FsdpBackend::fsdp_param_view`]).
 struct ParamViews<'a, B: FsdpBackend> {
-    unit: &'a FsdpUnit<B::InnerBackend>,
+    unit: &'a ParamGroup<B::InnerBackend>,
     gathered: FloatTensor<B>,
     group: Arc<ViewGroup>,
+    /// The views' nodes, when they are kept as aliases of the shards ([`Alias`]).
+    aliases: Option<Vec<Alias>>,
 }
 
 impl<B: FsdpBackend> ModuleMapper<B> for ParamViews<'_, B> {
@@ -1371,6 +1427,12 @@ impl<B: FsdpBackend> ModuleMapper<B> for ParamViews<'_, B> {
         };
         let view = ParamView::of(&self.unit.params[i], self.unit.offsets[i]);
         let full = B::fsdp_param_view(&self.gathered, view, &self.group);
+        if let Some(aliases) = &mut self.aliases
+            && B::is_tracked(&full)
+        {
+            let shard = tensor.shape();
+            aliases.push((B::autodiff_node(&full), self.unit.offsets[i], shard, tensor.dtype()));
+        }
         Param::from_mapped_value(id, Tensor::from_primitive(TensorPrimitive::Float(full)), mapper)
     }
 }
@@ -1378,8 +1440,9 @@ impl<B: FsdpBackend> ModuleMapper<B> for ParamViews<'_, B> {
 /// The [`UnitRunner`] of an [`Fsdp`] forward: gathers each unit just before it runs.
 pub struct FsdpRunner<'a, B: FsdpBackend, M: Module<B>> {
     fsdp: &'a Fsdp<B, M>,
-    /// Which units went through [`UnitRunner::run`] in this forward.
-    ran: Vec<bool>,
+    /// Which units went through [`UnitRunner::run`] (or [`FsdpUnit::run`](crate::FsdpUnit::run))
+    /// in this forward; shared with the runner installed for the forward's thread.
+    ran: Arc<Mutex<Vec<bool>>>,
     /// Runs blocks again in a checkpointed backward ([`crate::activation`]).
     rerun: bool,
     /// The node that collects this forward's reduce-scatters in backward
@@ -1387,9 +1450,61 @@ pub struct FsdpRunner<'a, B: FsdpBackend, M: Module<B>> {
     end: Option<FloatTensor<B>>,
 }
 
+impl<'a, B: FsdpBackend, M: Module<B>> FsdpRunner<'a, B, M> {
+    fn new(fsdp: &'a Fsdp<B, M>, rerun: bool, end: Option<FloatTensor<B>>) -> Self {
+        Self { fsdp, ran: Arc::new(Mutex::new(vec![false; fsdp.units.len()])), rerun, end }
+    }
+
+    fn ran(&self) -> Vec<bool> {
+        self.ran.lock().map(|r| r.clone()).unwrap_or_else(|p| p.into_inner().clone())
+    }
+}
+
 impl<B: FsdpBackend, M: Module<B>> Clone for FsdpRunner<'_, B, M> {
     fn clone(&self) -> Self {
         Self { fsdp: self.fsdp, ran: self.ran.clone(), rerun: self.rerun, end: self.end.clone() }
+    }
+}
+
+impl<B: FsdpBackend, M: Module<B>> std::fmt::Debug for FsdpRunner<'_, B, M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FsdpRunner").field("rerun", &self.rerun).finish_non_exhaustive()
+    }
+}
+
+impl<B: FsdpBackend, M: Module<B>> UnitHost<B> for FsdpRunner<'_, B, M> {
+    fn enter(&self, ids: &[ParamId]) -> Option<usize> {
+        if self.fsdp.bypass() {
+            return None;
+        }
+        // The root unit is gathered for the whole forward already.
+        let u = self.fsdp.unit_of_ids(ids).filter(|&u| u != 0)?;
+        match self.ran.lock() {
+            Ok(mut ran) => ran[u] = true,
+            Err(poisoned) => poisoned.into_inner()[u] = true,
+        }
+        Some(u)
+    }
+
+    fn gather(
+        &self,
+        u: usize,
+        shards: &HashMap<ParamId, FloatTensor<B>>,
+        anchor: FloatTensor<B>,
+    ) -> Views<'_, B> {
+        // A block run again by activation checkpointing keeps its gathered parameters for its
+        // own backward, which follows at once: no reshard, no re-gather.
+        let reshard = self.fsdp.units[u].reshard_after_forward && !self.rerun;
+        let (gathered, group) = self.fsdp.gather_full(u, shards, Some(anchor), self.end.clone(), reshard);
+        let unit = &self.fsdp.units[u];
+        Box::new(move |id| {
+            let i = unit.index_of(id)?;
+            Some(B::fsdp_param_view(&gathered, ParamView::of(&unit.params[i], unit.offsets[i]), &group))
+        })
+    }
+
+    fn policy(&self) -> MixedPrecisionPolicy {
+        self.fsdp.config.mp_policy
     }
 }
 
@@ -1400,28 +1515,7 @@ impl<B: FsdpBackend, M: Module<B>> UnitRunner<B> for FsdpRunner<'_, B, M> {
         x: Tensor<B, D>,
         f: impl FnOnce(&U, Tensor<B, D>) -> Tensor<B, D>,
     ) -> Tensor<B, D> {
-        if self.fsdp.bypass() {
-            return f(unit, x);
-        }
-        let Some(u) = self.fsdp.unit_of_module(unit) else {
-            return f(unit, x);
-        };
-        self.ran[u] = true;
-        let anchor = x.clone().into_primitive().tensor();
-        // A block run again by activation checkpointing keeps its gathered parameters for its
-        // own backward, which follows at once: no reshard, no re-gather.
-        let reshard = self.fsdp.units[u].reshard_after_forward && !self.rerun;
-        let view = self.fsdp.gather_view(unit.clone(), u, Some(anchor), self.end.clone(), reshard);
-        let policy = self.fsdp.config.mp_policy;
-        let x = match policy.param_dtype {
-            Some(dt) if x.dtype() != dt => x.cast(dt),
-            _ => x,
-        };
-        let y = f(&view, x);
-        match policy.output_dtype {
-            Some(dt) if y.dtype() != dt => y.cast(dt),
-            _ => y,
-        }
+        run_unit(&*self, unit, x, f)
     }
 }
 

@@ -52,6 +52,9 @@ pub struct UnitComm<B: Backend> {
     pub reduce_dtype: Option<DType>,
     /// The unit's index in its [`Fsdp`](crate::Fsdp) (0 = root).
     pub index: usize,
+    /// The nodes of the views the last forward handed to the model for this unit's parameters,
+    /// where backward registers their reduced gradients too (the root unit's only).
+    pub(crate) aliases: Mutex<Vec<crate::fsdp::prefetch::Alias>>,
 }
 
 impl<B: Backend> std::fmt::Debug for UnitComm<B> {
@@ -61,6 +64,22 @@ impl<B: Backend> std::fmt::Debug for UnitComm<B> {
 }
 
 impl<B: Backend> UnitComm<B> {
+    /// Sets the view nodes of this forward ([`UnitComm::aliases`]).
+    pub(crate) fn set_aliases(&self, aliases: Vec<crate::fsdp::prefetch::Alias>) {
+        match self.aliases.lock() {
+            Ok(mut a) => *a = aliases,
+            Err(poisoned) => *poisoned.into_inner() = aliases,
+        }
+    }
+
+    /// Takes the view nodes of the last forward, for its backward.
+    pub(crate) fn take_aliases(&self) -> Vec<crate::fsdp::prefetch::Alias> {
+        match self.aliases.lock() {
+            Ok(mut a) => std::mem::take(&mut *a),
+            Err(poisoned) => std::mem::take(&mut *poisoned.into_inner()),
+        }
+    }
+
     fn tag(&self, phase: Phase) -> Tag {
         Tag::new(format!("{}:{}", self.name, phase.name()))
     }

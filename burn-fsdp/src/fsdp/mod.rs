@@ -5,7 +5,7 @@
 //! |---|---|---|
 //! | `api.rs` (+ `api/eval.rs`) | [`Fsdp`], [`FsdpConfig`], [`MixedPrecisionPolicy`], [`UnitPolicy`]: wrapping, forward (and [`FsdpEvalRunner`], without autodiff), gradients, clipping, the optimizer step | `fully_shard.py`, `_fsdp_state.py` |
 //! | [`param`] | the sharded parameter: a rank's rows of one parameter | `_fsdp_param.py` |
-//! | [`unit`](mod@unit) | the parameter group: the parameters gathered together | `_fsdp_param_group.py` |
+//! | [`param_group`] | the parameter group: the parameters gathered together | `_fsdp_param_group.py` |
 //! | [`collectives`] | a unit's all-gather and reduce-scatter | `_fsdp_collectives.py` |
 //! | [`prefetch`] | the same on a communication thread, one unit ahead | (streams and events) |
 //! | [`op`] | the differentiable gather: the autodiff hooks whose backward reduce-scatters | (autograd hooks) |
@@ -13,6 +13,7 @@
 //! | [`offload`] | shards, gradients and AdamW state on the host | `CPUOffloadPolicy` |
 //! | [`init`] | deferred, per-shard initialisation ([`Fsdp::wrap_deferred`]) | meta-device init |
 //! | `replicas.rs` | rank 0's values broadcast at wrap | `_init_sharded_param` |
+//! | `scope.rs` | how a block marked [`FsdpUnit`](crate::FsdpUnit) finds the forward of its thread | (module hooks) |
 //!
 //! None of these files imports another in a circle, and none of them is imported by
 //! [`crate::comm`].
@@ -23,9 +24,10 @@ pub mod init;
 pub mod offload;
 pub mod op;
 pub mod param;
+pub mod param_group;
 pub mod prefetch;
 pub(crate) mod replicas;
-pub mod unit;
+pub(crate) mod scope;
 pub mod view;
 
 pub use api::*;

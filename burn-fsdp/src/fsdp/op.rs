@@ -36,7 +36,7 @@ use burn::tensor::{DType, Shape, Tensor, TensorMetadata, TensorPrimitive};
 
 use crate::fsdp::collectives::{Phase, UnitComm};
 use crate::fsdp::offload::HostStore;
-use crate::fsdp::prefetch::{Deliver, Prefetcher, ShardTarget, register_pieces};
+use crate::fsdp::prefetch::{Deliver, Prefetcher, ShardTarget, Targets, register_aliases, register_pieces};
 use crate::fsdp::view::{ParamView, ViewGroup};
 use burn::module::ParamId;
 
@@ -159,12 +159,14 @@ impl<B: Backend, const N: usize> Backward<B, N> for GatherBackward<B> {
 
     fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
         let grad = wrap::<B>(grads.consume::<B>(&ops.node));
-        let targets = match &self.parents {
+        let shards = match &self.parents {
             Parents::Direct(shapes) => {
                 shard_targets(ops.parents.iter().map(|p| p.as_ref().map(|n| n.id)), shapes)
             }
             _ => Vec::new(),
         };
+        let aliases = self.comm.unit.take_aliases();
+        let targets = Targets { shards, aliases };
         // The flat fallback's parent is Burn's own concatenation, whose backward needs its
         // gradient registered now: it waits for its reduce-scatter (still on the
         // communication thread, to keep every rank's collectives in one order).
@@ -189,6 +191,7 @@ impl<B: Backend, const N: usize> Backward<B, N> for GatherBackward<B> {
         match self.parents {
             Parents::Flat => {
                 let g = reduced.unwrap_or_else(|| Tensor::zeros([self.comm.unit.shard_len], &device));
+                register_aliases(grads, &g, targets.aliases);
                 if let Some(node) = &ops.parents[0] {
                     grads.register::<B>(node.id, g.into_primitive().tensor());
                 }

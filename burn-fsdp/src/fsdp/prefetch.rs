@@ -160,7 +160,7 @@ struct State<B: Backend> {
 
 /// A reduce-scatter in flight: its unit, its result (`None` without sync) and where its pieces
 /// go.
-type Reduction<B> = (usize, Pending<Option<Tensor<B, 1>>>, Vec<ShardTarget>);
+type Reduction<B> = (usize, Pending<Option<Tensor<B, 1>>>, Targets);
 
 /// What an offloaded unit's reduced shard gradient is handed to, on the communication thread.
 pub(crate) type Deliver<B> = Box<dyn FnOnce(Tensor<B, 1>) + Send>;
@@ -168,6 +168,20 @@ pub(crate) type Deliver<B> = Box<dyn FnOnce(Tensor<B, 1>) + Send>;
 /// Where one parameter's piece of a unit's reduced flat shard gradient is registered: the
 /// shard's autodiff node (`None` when the shard needs no gradient), its shape and dtype.
 pub(crate) type ShardTarget = (Option<NodeId>, Shape, DType);
+
+/// Another node a parameter's piece goes to besides its shard: the parameter's view in the
+/// root unit's gathered module, which a forward hands to the model as `self` — so that Burn's
+/// `GradientsParams::from_grads(grads, &view)` (in a burn-train `TrainStep` run on that view)
+/// finds the same reduced gradient as `from_grads(grads, fsdp.module())`. The view's node,
+/// the piece's offset in the flat shard, the shard's shape and dtype.
+pub(crate) type Alias = (NodeId, usize, Shape, DType);
+
+/// Where a unit's reduced flat shard gradient goes: its shards' nodes and their aliases.
+#[derive(Debug, Default)]
+pub(crate) struct Targets {
+    pub(crate) shards: Vec<ShardTarget>,
+    pub(crate) aliases: Vec<Alias>,
+}
 
 /// The overlap machinery of one [`Fsdp`](crate::Fsdp) on one rank.
 pub struct Prefetcher<B: Backend> {
@@ -367,7 +381,7 @@ impl<B: Backend> Prefetcher<B> {
         comm: &Arc<UnitComm<B>>,
         full_grad: Tensor<B, 1>,
         deliver: Option<Deliver<B>>,
-        targets: Vec<ShardTarget>,
+        targets: Targets,
     ) {
         let comm = comm.clone();
         let sync = comm.sync.load(Ordering::SeqCst);
@@ -436,17 +450,30 @@ impl<B: Backend> Prefetcher<B> {
 /// Registers each parameter's piece of a unit's reduced flat shard gradient `g` on its
 /// shard's node (`targets` in unit order; `None` nodes need no gradient), added to what is
 /// there.
-pub(crate) fn register_pieces<B: Backend>(grads: &mut Gradients, g: Tensor<B, 1>, targets: Vec<ShardTarget>) {
+pub(crate) fn register_pieces<B: Backend>(grads: &mut Gradients, g: Tensor<B, 1>, targets: Targets) {
     let mut offset = 0;
-    for (node, shape, dtype) in targets {
+    for (node, shape, dtype) in targets.shards {
         let n = shape.num_elements();
         if let Some(node) = node {
-            let piece = g.clone().narrow(0, offset, n);
-            let piece = if piece.dtype() == dtype { piece } else { piece.cast(dtype) };
-            grads.register::<B>(node, shard_shaped(piece, shape));
+            grads.register::<B>(node, piece(&g, offset, shape, dtype));
         }
         offset += n;
     }
+    register_aliases(grads, &g, targets.aliases);
+}
+
+/// Registers each alias's piece of the reduced flat shard gradient `g` on the alias's node.
+pub(crate) fn register_aliases<B: Backend>(grads: &mut Gradients, g: &Tensor<B, 1>, aliases: Vec<Alias>) {
+    for (node, offset, shape, dtype) in aliases {
+        grads.register::<B>(node, piece(g, offset, shape, dtype));
+    }
+}
+
+/// The piece of `g` at `offset`, in `shape` and `dtype`.
+fn piece<B: Backend>(g: &Tensor<B, 1>, offset: usize, shape: Shape, dtype: DType) -> B::FloatTensorPrimitive {
+    let piece = g.clone().narrow(0, offset, shape.num_elements());
+    let piece = if piece.dtype() == dtype { piece } else { piece.cast(dtype) };
+    shard_shaped(piece, shape)
 }
 
 /// A piece of a flat gradient in its parameter's shape, sharing memory where it can.

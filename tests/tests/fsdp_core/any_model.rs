@@ -13,6 +13,7 @@ use burn::nn::{BatchNorm, BatchNormConfig, Linear};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
+use burn_fsdp::UnitPolicy;
 use burn_fsdp::{DeviceMesh, Direct, Fsdp, FsdpConfig, TorchAdamWConfig, UnitRunner, launch};
 use tests::max_rel_diff;
 
@@ -122,7 +123,11 @@ fn fsdp_with(
         let rank = group.rank();
         let mesh = DeviceMesh::new_1d(group, device);
         let model = BnNet::<FB>::with_salt(salt(rank), &device);
-        let mut fsdp = Fsdp::wrap(model, &mesh, FsdpConfig { prefetch, ..FsdpConfig::default() })?;
+        let mut fsdp = Fsdp::wrap(
+            model,
+            &mesh,
+            FsdpConfig { units: UnitPolicy::VecElements, prefetch, ..FsdpConfig::default() },
+        )?;
         // The running statistics stay whole and replicated; the parameters are sharded.
         let replicated = fsdp.replicated_tensors().to_vec();
         assert_eq!(replicated.len(), 4, "{replicated:?}");
@@ -186,7 +191,8 @@ fn a_model_with_nothing_to_train_is_refused_with_a_reason() {
     let err = launch(1, Duration::from_secs(10), move |group| {
         let mesh = DeviceMesh::new_1d(group, device);
         let frozen = BnNet::<FB>::new(&device).no_grad();
-        Fsdp::wrap(frozen, &mesh, FsdpConfig::default()).map(|_| ())
+        Fsdp::wrap(frozen, &mesh, FsdpConfig { units: UnitPolicy::VecElements, ..FsdpConfig::default() })
+            .map(|_| ())
     })
     .unwrap_err()
     .to_string();
@@ -200,7 +206,11 @@ fn sharded_checkpoints_refuse_models_with_buffers() {
     let dir2 = dir.clone();
     let err = launch(2, Duration::from_secs(30), move |group| {
         let mesh = DeviceMesh::new_1d(group, device);
-        let fsdp = Fsdp::wrap(BnNet::<FB>::new(&device), &mesh, FsdpConfig::default())?;
+        let fsdp = Fsdp::wrap(
+            BnNet::<FB>::new(&device),
+            &mesh,
+            FsdpConfig { units: UnitPolicy::VecElements, ..FsdpConfig::default() },
+        )?;
         fsdp.save_sharded(&dir2, &ADAM.init(), 0, &serde_json::json!({}))
             .map_err(|e| burn_fsdp::FsdpError::Config(e.to_string()))
     })
@@ -219,7 +229,7 @@ fn a_unit_called_without_the_runner_gives_an_error_naming_it() {
         let fsdp = Fsdp::wrap(
             BnNet::<FB>::new(&device),
             &mesh,
-            FsdpConfig { prefetch: false, ..FsdpConfig::default() },
+            FsdpConfig { units: UnitPolicy::VecElements, prefetch: false, ..FsdpConfig::default() },
         )?;
         let (x, y) = batch::<FB>(0, &device);
         let (x, y) = (x.narrow(0, rank * 6, 6), y.narrow(0, rank * 6, 6));
@@ -250,7 +260,11 @@ fn a_module_spanning_two_units_is_an_error_naming_them() {
     let msgs = launch(2, Duration::from_secs(30), move |group| {
         let rank = group.rank();
         let mesh = DeviceMesh::new_1d(group, device);
-        let fsdp = Fsdp::wrap(BnNet::<FB>::new(&device), &mesh, FsdpConfig::default())?;
+        let fsdp = Fsdp::wrap(
+            BnNet::<FB>::new(&device),
+            &mesh,
+            FsdpConfig { units: UnitPolicy::VecElements, ..FsdpConfig::default() },
+        )?;
         let (x, y) = batch::<FB>(0, &device);
         let (x, y) = (x.narrow(0, rank * 6, 6), y.narrow(0, rank * 6, 6));
         let all_blocks = |blocks: &Vec<Block<FB>>, mut h: Tensor<FB, 2>| {
@@ -318,7 +332,11 @@ fn evaluation_mode_gathers_units_and_uses_running_statistics() {
             let device = Default::default();
             let rank = group.rank();
             let mesh = DeviceMesh::new_1d(group, device);
-            let mut fsdp = Fsdp::wrap(BnNet::<FB>::new(&device), &mesh, FsdpConfig::default())?;
+            let mut fsdp = Fsdp::wrap(
+                BnNet::<FB>::new(&device),
+                &mesh,
+                FsdpConfig { units: UnitPolicy::VecElements, ..FsdpConfig::default() },
+            )?;
             let (x, _) = batch::<I>(7, &device);
             let forward = |m: &BnNet<I>, x: Tensor<I, 2>, r: &mut RunBlock<'_>| {
                 let mut h = x;

@@ -17,6 +17,7 @@ use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamConfig, AdamWConfig, GradientsParams, Optimizer, RmsPropConfig, SgdConfig};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Tensor, TensorData};
+use burn_fsdp::UnitPolicy;
 use burn_fsdp::{DeviceMesh, Direct, Fsdp, FsdpBackend, FsdpConfig, PathStack, UnitRunner, launch};
 use tests::max_rel_diff;
 
@@ -133,7 +134,7 @@ fn fsdp<F: FsdpBackend, O: Optimizer<Mlp<F>, F> + 'static>(
         let device: burn::tensor::Device<F> = Default::default();
         let rank = group.rank();
         let mesh = DeviceMesh::new_1d(group, device.clone());
-        let config = FsdpConfig { prefetch, ..FsdpConfig::default() };
+        let config = FsdpConfig { units: UnitPolicy::VecElements, prefetch, ..FsdpConfig::default() };
         let mut fsdp = Fsdp::wrap(Mlp::<F>::new(&device), &mesh, config)?;
         let mut optim = make();
         let mut lr = schedule();
@@ -273,7 +274,11 @@ fn wrapped_with_rows(group: std::sync::Arc<burn_fsdp::LocalGroup>) -> Result<Wit
     let device = Default::default();
     let rank = group.rank();
     let mesh = DeviceMesh::new_1d(group, device);
-    let fsdp = Fsdp::wrap(Mlp::<FB>::new(&device), &mesh, FsdpConfig::default())?;
+    let fsdp = Fsdp::wrap(
+        Mlp::<FB>::new(&device),
+        &mesh,
+        FsdpConfig { units: UnitPolicy::VecElements, ..FsdpConfig::default() },
+    )?;
     let (x, y) = batch::<FB>(0, &device);
     Ok((fsdp, x.narrow(0, rank * 6, 6), y.narrow(0, rank * 6, 6)))
 }

@@ -13,6 +13,7 @@ use burn::nn::Linear;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
+use burn_fsdp::UnitPolicy;
 use burn_fsdp::{DeviceMesh, Direct, Fsdp, FsdpConfig, TorchAdamWConfig, UnitRunner, launch};
 use tests::max_rel_diff;
 
@@ -106,7 +107,7 @@ fn fsdp(world: usize, prefetch: bool, micro: usize) -> Vec<f64> {
         let device = Default::default();
         let rank = group.rank();
         let mesh = DeviceMesh::new_1d(group, device);
-        let config = FsdpConfig { prefetch, ..FsdpConfig::default() };
+        let config = FsdpConfig { units: UnitPolicy::VecElements, prefetch, ..FsdpConfig::default() };
         let mut fsdp = Fsdp::wrap(Shared::<FB>::new(&device), &mesh, config)?;
         let mut adam = ADAM.init();
         let per = ROWS / world / micro;

@@ -9,9 +9,16 @@
 use burn::module::{AutodiffModule, Module};
 use burn::tensor::Tensor;
 
-use super::{Fsdp, FsdpError, Unsharder, collect_shards, unit_shards};
+use std::collections::HashMap;
+
+use burn::module::ParamId;
+use burn::tensor::ops::FloatTensor;
+
+use super::{Fsdp, FsdpError, MixedPrecisionPolicy, Unsharder, collect_shards, unit_shards};
 use crate::fsdp::collectives::Phase;
 use crate::fsdp::op::FsdpBackend;
+use crate::fsdp::scope::{self, UnitHost, Views, run_unit};
+use crate::fsdp::view::ParamView;
 use crate::runner::UnitRunner;
 
 impl<B: FsdpBackend, M: AutodiffModule<B>> Fsdp<B, M> {
@@ -48,7 +55,11 @@ impl<B: FsdpBackend, M: AutodiffModule<B>> Fsdp<B, M> {
             self.gather_valid(inner, 0)
         };
         let mut runner = FsdpEvalRunner { fsdp: self };
+        let installed = FsdpEvalRunner { fsdp: self };
+        let host: &dyn UnitHost<B::InnerBackend> = &installed;
+        let guard = scope::install(&host);
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&root, &mut runner)));
+        drop(guard);
         result.map_err(|payload| match payload.downcast::<super::MixedUnits>() {
             Ok(m) => FsdpError::UnitsMixed { first: m.first, second: m.second },
             Err(payload) => std::panic::resume_unwind(payload),
@@ -78,6 +89,38 @@ impl<B: FsdpBackend, M: AutodiffModule<B>> std::fmt::Debug for FsdpEvalRunner<'_
     }
 }
 
+impl<B: FsdpBackend, M: AutodiffModule<B>> UnitHost<B::InnerBackend> for FsdpEvalRunner<'_, B, M> {
+    fn enter(&self, ids: &[ParamId]) -> Option<usize> {
+        if self.fsdp.bypass() {
+            return None;
+        }
+        self.fsdp.unit_of_ids(ids).filter(|&u| u != 0)
+    }
+
+    fn gather(
+        &self,
+        u: usize,
+        shards: &HashMap<ParamId, FloatTensor<B::InnerBackend>>,
+        _anchor: FloatTensor<B::InnerBackend>,
+    ) -> Views<'_, B::InnerBackend> {
+        let fsdp = self.fsdp;
+        let unit = &fsdp.units[u];
+        let pieces = unit_shards::<B::InnerBackend, _>(unit, shards);
+        let flat = crate::fsdp::prefetch::flat::<B::InnerBackend>(pieces);
+        let gathered = unit.comm.gather(flat, Phase::ForwardGather).into_primitive().tensor();
+        let world = fsdp.world();
+        Box::new(move |id| {
+            let i = unit.index_of(id)?;
+            let view = ParamView::of(&unit.params[i], unit.offsets[i]);
+            Some(view.cut::<B::InnerBackend>(gathered.clone(), world, unit.shard_len()))
+        })
+    }
+
+    fn policy(&self) -> MixedPrecisionPolicy {
+        self.fsdp.config.mp_policy
+    }
+}
+
 impl<B: FsdpBackend, M: AutodiffModule<B>> UnitRunner<B::InnerBackend> for FsdpEvalRunner<'_, B, M> {
     fn run<U: Module<B::InnerBackend>, const D: usize>(
         &mut self,
@@ -85,20 +128,6 @@ impl<B: FsdpBackend, M: AutodiffModule<B>> UnitRunner<B::InnerBackend> for FsdpE
         x: Tensor<B::InnerBackend, D>,
         f: impl FnOnce(&U, Tensor<B::InnerBackend, D>) -> Tensor<B::InnerBackend, D>,
     ) -> Tensor<B::InnerBackend, D> {
-        let fsdp = self.fsdp;
-        if fsdp.bypass() {
-            return f(unit, x);
-        }
-        let Some(u) = fsdp.unit_of_module::<B::InnerBackend, U>(unit) else { return f(unit, x) };
-        let view = fsdp.gather_valid(unit.clone(), u);
-        let x = match fsdp.config.mp_policy.param_dtype {
-            Some(dt) if x.dtype() != dt => x.cast(dt),
-            _ => x,
-        };
-        let y = f(&view, x);
-        match fsdp.config.mp_policy.output_dtype {
-            Some(dt) if y.dtype() != dt => y.cast(dt),
-            _ => y,
-        }
+        run_unit(&*self, unit, x, f)
     }
 }

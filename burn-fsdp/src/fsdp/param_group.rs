@@ -14,7 +14,7 @@ use crate::fsdp::param::ShardedParam;
 /// The flat shard of a rank is the concatenation of its padded parameter shards in unit
 /// order; the all-gathered buffer is `[world, shard_len]`, row `r` being rank `r`'s flat shard.
 #[derive(Debug)]
-pub struct FsdpUnit<B: Backend> {
+pub struct ParamGroup<B: Backend> {
     /// Module path of the unit (`""` for the root unit).
     pub name: String,
     /// The unit's parameters, in visiting order.
@@ -27,7 +27,7 @@ pub struct FsdpUnit<B: Backend> {
     pub comm: Arc<UnitComm<B>>,
 }
 
-impl<B: Backend> FsdpUnit<B> {
+impl<B: Backend> ParamGroup<B> {
     /// Elements of the rank's flat shard.
     pub fn shard_len(&self) -> usize {
         self.comm.shard_len
