@@ -44,6 +44,8 @@ mod downcast;
 pub mod fsdp;
 pub mod host_memory;
 pub mod io;
+#[cfg(feature = "learner")]
+pub mod learner;
 pub mod optim;
 pub mod runner;
 pub mod tp;

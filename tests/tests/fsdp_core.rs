@@ -8,6 +8,9 @@ mod any_model;
 #[path = "fsdp_core/as_written.rs"]
 /// Models left as written (issue #42): no runner, units marked with `FsdpUnit` or none.
 mod as_written;
+/// FSDP inside burn-train's Learner (issue #42).
+#[path = "fsdp_core/learner.rs"]
+mod learner;
 #[path = "fsdp_core/optimizers.rs"]
 mod optimizers;
 #[path = "fsdp_core/shared_units.rs"]

@@ -1,0 +1,540 @@
+//! FSDP inside burn-train's `Learner` (feature `learner`): [`FsdpStrategy`], a
+//! `SupervisedLearningStrategy` that runs a user's existing `SupervisedTraining` setup — their
+//! `TrainStep`/`InferenceStep`, Burn optimizer, `LrScheduler` and metrics — over FSDP ranks.
+//!
+//! The change to a single-device setup is one line:
+//!
+//! ```text
+//! SupervisedTraining::new(dir, train, valid)
+//!     .metrics((LossMetric::new(),))
+//! +   .with_training_strategy(FsdpStrategy::in_process(4, FsdpConfig::default()).into())
+//!     .num_epochs(3)
+//!     .launch(Learner::new(model, optim, lr));
+//! ```
+//!
+//! What the strategy does, per rank (a thread for [`in_process`](FsdpStrategy::in_process); one
+//! process each with [`over_mesh`](FsdpStrategy::over_mesh)):
+//! - shards the learner's model with [`Fsdp::wrap`] (units: the blocks the model marks with
+//!   [`FsdpUnit`](crate::FsdpUnit), else the whole model as one);
+//! - takes its contiguous `1/W` of the training and validation items (the same count on every
+//!   rank: a remainder of fewer than `W` items is left out, as `drop_last` would);
+//! - runs the user's `TrainStep::step` inside [`Fsdp::try_forward`] (so its
+//!   `GradientsParams::from_grads(loss.backward(), self)` is the averaged shard gradients), the
+//!   optimizer step on the shards (Burn's optimizers are element-wise: a shard's step is the
+//!   full step's rows), and `InferenceStep::step` inside [`Fsdp::forward_valid`];
+//! - rank 0 renders the metrics of every rank's items (in-process ranks send theirs to rank 0):
+//!   the metric values are those of the global batch, as one device would log them.
+//!
+//! The trained model the `Learner` returns is whole (gathered from the shards), the user's own
+//! model type: `model.save_file(…)` writes a Burn record that single-device code loads.
+//!
+//! # Differences from one device, stated
+//! - BatchNorm normalises each rank's rows with their own statistics (PyTorch FSDP/DDP do the
+//!   same unless SyncBatchNorm), and the running statistics the returned model carries are rank
+//!   0's.
+//! - Burn's per-parameter `GradientClippingConfig::Norm` would clip each *shard* by its own norm;
+//!   use [`FsdpStrategy::clip_grad_norm`] (the global norm, PyTorch's `clip_grad_norm_`).
+//! - Gradient accumulation (`SupervisedTraining::grads_accumulation`) reduce-scatters every
+//!   micro-batch (same numbers as one device; no communication saved).
+
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use burn::data::dataloader::Progress;
+use burn::module::{AutodiffModule, Module, ModuleMapper, Param};
+use burn::optim::GradientsAccumulator;
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+use burn_train::{
+    EventProcessorTraining, InferenceStep, Learner, LearnerEvent, LearningComponentsTypes,
+    SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader, TrainStep, TrainingComponents,
+    TrainingItem, TrainingModel, TrainingStrategy, ValidLoader,
+};
+
+use crate::comm::local::LocalGroup;
+use crate::comm::mesh::DeviceMesh;
+use crate::fsdp::{Fsdp, FsdpConfig, FsdpError};
+use crate::op::FsdpBackend;
+use crate::walk::PathStack;
+
+/// Where the ranks run.
+#[derive(Clone)]
+enum Ranks<B: FsdpBackend> {
+    /// `world` threads of this process, on the model's device (or one device each).
+    InProcess { world: usize, devices: Option<Vec<B::Device>> },
+    /// This process is one rank of `mesh` (TCP, MPI, …).
+    Mesh(DeviceMesh<B::InnerBackend>),
+}
+
+/// burn-train's learning strategy for FSDP: see the [module docs](self).
+///
+/// # Example
+///
+/// ```no_run
+/// # use burn_fsdp::FsdpConfig;
+/// # use burn_fsdp::learner::FsdpStrategy;
+/// # type B = burn::backend::Autodiff<burn::backend::NdArray, burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing>;
+/// let strategy = FsdpStrategy::<B>::in_process(4, FsdpConfig::default()).clip_grad_norm(1.0);
+/// // SupervisedTraining::new(…).with_training_strategy(strategy.into())
+/// ```
+#[derive(Clone)]
+pub struct FsdpStrategy<B: FsdpBackend> {
+    ranks: Ranks<B>,
+    config: FsdpConfig,
+    clip: Option<f64>,
+    timeout: Duration,
+}
+
+impl<B: FsdpBackend> std::fmt::Debug for FsdpStrategy<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let world = match &self.ranks {
+            Ranks::InProcess { world, .. } => *world,
+            Ranks::Mesh(mesh) => mesh.size(),
+        };
+        f.debug_struct("FsdpStrategy")
+            .field("world", &world)
+            .field("config", &self.config)
+            .field("clip", &self.clip)
+            .finish()
+    }
+}
+
+impl<B: FsdpBackend> FsdpStrategy<B> {
+    /// FSDP over `world` ranks, threads of this process, all on the model's device.
+    pub fn in_process(world: usize, config: FsdpConfig) -> Self {
+        Self {
+            ranks: Ranks::InProcess { world, devices: None },
+            config,
+            clip: None,
+            timeout: Duration::from_secs(300),
+        }
+    }
+
+    /// FSDP over one in-process rank per device (rank `r` on `devices[r]`).
+    pub fn on_devices(devices: Vec<B::Device>, config: FsdpConfig) -> Self {
+        let world = devices.len();
+        Self {
+            ranks: Ranks::InProcess { world, devices: Some(devices) },
+            config,
+            clip: None,
+            timeout: Duration::from_secs(300),
+        }
+    }
+
+    /// This process is one rank of `mesh` (built from a [`TcpGroup`](crate::comm::tcp::TcpGroup)
+    /// or an MPI group): every process launches the same `SupervisedTraining`. Rank 0 renders
+    /// and logs the metrics of its own items (the other processes' items stay where they are).
+    pub fn over_mesh(mesh: DeviceMesh<B::InnerBackend>, config: FsdpConfig) -> Self {
+        Self { ranks: Ranks::Mesh(mesh), config, clip: None, timeout: Duration::from_secs(300) }
+    }
+
+    /// Clips gradients by their global norm before each optimizer step
+    /// ([`Fsdp::clip_grad_norm`], PyTorch's `clip_grad_norm_`).
+    pub fn clip_grad_norm(mut self, max_norm: f64) -> Self {
+        self.clip = Some(max_norm);
+        self
+    }
+
+    /// How long in-process ranks wait in a collective before failing (default 300 s).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+}
+
+impl<LC> From<FsdpStrategy<LC::Backend>> for TrainingStrategy<LC>
+where
+    LC: LearningComponentsTypes + 'static,
+    LC::Backend: FsdpBackend,
+    LC::TrainingModel: Send,
+    LC::Optimizer: Send,
+    LC::LrScheduler: Send,
+    <LC::TrainingModel as TrainStep>::Output: Send,
+    <LC::InferenceModel as InferenceStep>::Output: Send,
+{
+    fn from(strategy: FsdpStrategy<LC::Backend>) -> Self {
+        TrainingStrategy::Custom(Arc::new(strategy))
+    }
+}
+
+/// What rank 0 receives from the other in-process ranks.
+enum Item<T, V> {
+    Train(T),
+    Valid(V),
+}
+
+type TrainOut<LC> = <<LC as LearningComponentsTypes>::TrainingModel as TrainStep>::Output;
+type ValidOut<LC> = <<LC as LearningComponentsTypes>::InferenceModel as InferenceStep>::Output;
+type ItemOf<LC> = Item<TrainOut<LC>, ValidOut<LC>>;
+
+/// Where a rank's items go.
+enum Sink<LC: LearningComponentsTypes> {
+    /// Rank 0: the event processor, and the other in-process ranks' items.
+    Render { processor: SupervisedTrainingEventProcessor<LC>, peers: Vec<Receiver<ItemOf<LC>>> },
+    /// Another in-process rank: to rank 0.
+    Send(Sender<ItemOf<LC>>),
+    /// Another process: nowhere.
+    Drop,
+}
+
+/// What one rank starts from.
+struct RankInput<LC: LearningComponentsTypes> {
+    learner: Learner<LC>,
+    train: TrainLoader<LC>,
+    valid: ValidLoader<LC>,
+    sink: Sink<LC>,
+}
+
+impl<LC> SupervisedLearningStrategy<LC> for FsdpStrategy<LC::Backend>
+where
+    LC: LearningComponentsTypes + 'static,
+    LC::Backend: FsdpBackend,
+    LC::TrainingModel: Send,
+    LC::Optimizer: Send,
+    LC::LrScheduler: Send,
+    TrainOut<LC>: Send,
+    ValidOut<LC>: Send,
+{
+    fn fit(
+        &self,
+        components: TrainingComponents<LC>,
+        learner: Learner<LC>,
+        train: TrainLoader<LC>,
+        valid: ValidLoader<LC>,
+        starting_epoch: usize,
+    ) -> (TrainingModel<LC>, SupervisedTrainingEventProcessor<LC>) {
+        if components.checkpointer.is_some() {
+            eprintln!(
+                "warning: FsdpStrategy: burn-train's file checkpointer saves one model and optimizer \
+                 record, and FSDP's state is sharded: it is not used (see burn_fsdp::learner)"
+            );
+        }
+        let loop_ = Loop {
+            epochs: starting_epoch..=components.num_epochs,
+            accumulation: components.grad_accumulation,
+            interrupter: components.interrupter.clone(),
+            clip: self.clip,
+            config: self.config.clone(),
+        };
+        let processor = components.event_processor;
+        let result = match &self.ranks {
+            Ranks::Mesh(mesh) => {
+                let rank = mesh.group_at(mesh.ndim() - 1).rank();
+                let sink = if rank == 0 { Sink::Render { processor, peers: Vec::new() } } else { Sink::Drop };
+                let (w, r) = (mesh.size(), mesh.rank());
+                let input = RankInput { learner, train: shard(train, r, w), valid: shard(valid, r, w), sink };
+                loop_.run(mesh.clone(), input).map_err(|e| e.to_string())
+            }
+            Ranks::InProcess { world, devices } => {
+                let world = (*world).max(1);
+                let mut receivers = Vec::new();
+                let mut inputs: Vec<Option<RankInput<LC>>> = Vec::new();
+                let mut processor = Some(processor);
+                for r in 0..world {
+                    let sink = match processor.take() {
+                        Some(processor) => Sink::Render { processor, peers: Vec::new() },
+                        None => {
+                            let (tx, rx) = channel();
+                            receivers.push(rx);
+                            Sink::Send(tx)
+                        }
+                    };
+                    let mut learner = learner.clone();
+                    if let Some(devices) = devices {
+                        learner.fork(&devices[r]);
+                    }
+                    let (train, valid) = (shard(train.clone(), r, world), shard(valid.clone(), r, world));
+                    inputs.push(Some(RankInput { learner, train, valid, sink }));
+                }
+                if let Some(Some(RankInput { sink: Sink::Render { peers, .. }, .. })) = inputs.first_mut() {
+                    *peers = receivers;
+                }
+                let inputs: Vec<Mutex<Option<RankInput<LC>>>> = inputs.into_iter().map(Mutex::new).collect();
+                let devices = devices.clone();
+                crate::launch(world, self.timeout, |group: Arc<LocalGroup>| {
+                    let r = group.rank();
+                    let input =
+                        inputs[r].lock().ok().and_then(|mut i| i.take()).ok_or_else(|| {
+                            FsdpError::Config(format!("FsdpStrategy: rank {r} has no input"))
+                        })?;
+                    let device = match &devices {
+                        Some(d) => d[r].clone(),
+                        None => input.learner.model().devices().first().cloned().unwrap_or_default(),
+                    };
+                    let mesh = DeviceMesh::new_1d(group, device);
+                    loop_.run(mesh, input)
+                })
+                .map_err(|e| e.to_string())
+                .and_then(|mut outs| {
+                    if outs.is_empty() { Err("no rank returned".into()) } else { Ok(outs.remove(0)) }
+                })
+            }
+        };
+        match result {
+            Ok(Some(done)) => done,
+            Ok(None) => unreachable!("rank 0 returns the model"),
+            // burn-train's strategies have no error path: a failed rank ends the training as
+            // burn-train's own failures do.
+            Err(e) => panic!("FSDP training failed: {e}"),
+        }
+    }
+}
+
+/// This rank's contiguous share of a data loader's items, the same count on every rank.
+fn shard<B: Backend, O: 'static>(
+    loader: Arc<dyn burn::data::dataloader::DataLoader<B, O>>,
+    rank: usize,
+    world: usize,
+) -> Arc<dyn burn::data::dataloader::DataLoader<B, O>> {
+    if world == 1 {
+        return loader;
+    }
+    let per = loader.num_items() / world;
+    loader.slice(rank * per, (rank + 1) * per)
+}
+
+/// The training loop of one rank.
+struct Loop {
+    epochs: std::ops::RangeInclusive<usize>,
+    accumulation: Option<usize>,
+    interrupter: burn_train::Interrupter,
+    clip: Option<f64>,
+    config: FsdpConfig,
+}
+
+type Done<LC> = (TrainingModel<LC>, SupervisedTrainingEventProcessor<LC>);
+
+impl Loop {
+    fn run<LC>(
+        &self,
+        mesh: DeviceMesh<<LC::Backend as burn::tensor::backend::AutodiffBackend>::InnerBackend>,
+        input: RankInput<LC>,
+    ) -> Result<Option<Done<LC>>, FsdpError>
+    where
+        LC: LearningComponentsTypes,
+        LC::Backend: FsdpBackend,
+    {
+        let RankInput { mut learner, train, valid, mut sink } = input;
+        // The ranks' learners are clones, whose buffers (Burn's `RunningState`) are one shared
+        // object updated in place: each rank wraps a copy of its own (`from_inner(valid())`
+        // makes new buffers and new leaves, with the same ids and `require_grad`).
+        let own = <TrainingModel<LC> as AutodiffModule<LC::Backend>>::from_inner(learner.model().valid());
+        let mut fsdp = Fsdp::wrap(own, &mesh, self.config.clone())?;
+        // The learner's optimizer steps the shards: its model holds them. Only its parameters
+        // are read back (`take_parameters`); the forward runs on FSDP's module and its buffers.
+        learner.load_model(fsdp.module().clone().into_record());
+        for epoch in self.epochs.clone() {
+            let global = Progress { items_processed: epoch, items_total: *self.epochs.end() };
+            // Training.
+            let mut iterator = train.iter();
+            let mut iteration = 0;
+            let mut accumulator = GradientsAccumulator::new();
+            let mut micro = 0;
+            while let Some(item) = iterator.next() {
+                iteration += 1;
+                learner.lr_step();
+                let progress = iterator.progress();
+                let out = fsdp.try_forward(|model, _| model.step(item))?;
+                let mut grads = match self.accumulation {
+                    Some(n) => {
+                        accumulator.accumulate(fsdp.module(), out.grads);
+                        micro += 1;
+                        if micro < n {
+                            None
+                        } else {
+                            micro = 0;
+                            Some(accumulator.grads())
+                        }
+                    }
+                    None => Some(out.grads),
+                };
+                if let (Some(grads), Some(max)) = (grads.as_mut(), self.clip) {
+                    fsdp.clip_grad_norm(grads, max)?;
+                }
+                if let Some(grads) = grads {
+                    learner.optimizer_step(grads);
+                    let stepped = learner.model();
+                    fsdp.replace_module(|module| take_parameters(module, &stepped));
+                }
+                let lr = learner.lr_current();
+                sink.train(out.item, progress, &global, iteration, lr, mesh.size())?;
+                if self.interrupter.should_stop() {
+                    break;
+                }
+            }
+            sink.end_train(epoch);
+            if self.interrupter.should_stop() {
+                break;
+            }
+            // Validation.
+            let mut iterator = valid.iter();
+            let mut iteration = 0;
+            while let Some(item) = iterator.next() {
+                iteration += 1;
+                let progress = iterator.progress();
+                let out = fsdp.forward_valid(|model, _| model.step(item))?;
+                sink.valid(out, progress, &global, iteration, mesh.size())?;
+                if self.interrupter.should_stop() {
+                    break;
+                }
+            }
+            sink.end_valid(epoch);
+        }
+        // The whole model, the user's own type: every rank takes part in the gathers.
+        let full = full_model(&fsdp)?;
+        Ok(match sink {
+            Sink::Render { processor, .. } => Some((full, processor)),
+            _ => None,
+        })
+    }
+}
+
+impl<LC: LearningComponentsTypes> Sink<LC> {
+    fn train(
+        &mut self,
+        item: TrainOut<LC>,
+        progress: Progress,
+        global: &Progress,
+        iteration: usize,
+        lr: f64,
+        world: usize,
+    ) -> Result<(), FsdpError> {
+        match self {
+            Sink::Render { processor, peers } => {
+                let mut emit = |item, k: usize| {
+                    let progress = global_progress(&progress, k, world);
+                    let item = TrainingItem::new(item, progress, global.clone(), Some(iteration), Some(lr));
+                    processor.process_train(LearnerEvent::ProcessedItem(item));
+                };
+                emit(item, 0);
+                for (k, rx) in peers.iter().enumerate() {
+                    match rx.recv() {
+                        Ok(Item::Train(item)) => emit(item, k + 1),
+                        _ => return Err(peer_lost(k + 1)),
+                    }
+                }
+                Ok(())
+            }
+            Sink::Send(tx) => tx.send(Item::Train(item)).map_err(|_| peer_lost(0)),
+            Sink::Drop => Ok(()),
+        }
+    }
+
+    fn valid(
+        &mut self,
+        item: ValidOut<LC>,
+        progress: Progress,
+        global: &Progress,
+        iteration: usize,
+        world: usize,
+    ) -> Result<(), FsdpError> {
+        match self {
+            Sink::Render { processor, peers } => {
+                let mut emit = |item, k: usize| {
+                    let progress = global_progress(&progress, k, world);
+                    let item = TrainingItem::new(item, progress, global.clone(), Some(iteration), None);
+                    processor.process_valid(LearnerEvent::ProcessedItem(item));
+                };
+                emit(item, 0);
+                for (k, rx) in peers.iter().enumerate() {
+                    match rx.recv() {
+                        Ok(Item::Valid(item)) => emit(item, k + 1),
+                        _ => return Err(peer_lost(k + 1)),
+                    }
+                }
+                Ok(())
+            }
+            Sink::Send(tx) => tx.send(Item::Valid(item)).map_err(|_| peer_lost(0)),
+            Sink::Drop => Ok(()),
+        }
+    }
+
+    fn end_train(&mut self, epoch: usize) {
+        if let Sink::Render { processor, .. } = self {
+            processor.process_train(LearnerEvent::EndEpoch(epoch));
+        }
+    }
+
+    fn end_valid(&mut self, epoch: usize) {
+        if let Sink::Render { processor, .. } = self {
+            processor.process_valid(LearnerEvent::EndEpoch(epoch));
+        }
+    }
+}
+
+/// A rank's progress through its share, as progress through all ranks' items.
+fn global_progress(local: &Progress, _rank: usize, world: usize) -> Progress {
+    Progress { items_processed: local.items_processed * world, items_total: local.items_total * world }
+}
+
+fn peer_lost(rank: usize) -> FsdpError {
+    FsdpError::Config(format!("FsdpStrategy: rank {rank} stopped sending its items (it failed)"))
+}
+
+/// `into` with every trainable parameter replaced by `from`'s of the same id (buffers and
+/// frozen parameters stay `into`'s).
+fn take_parameters<B: Backend, M: Module<B>>(into: M, from: &M) -> M {
+    struct Collect<B: Backend>(
+        std::collections::HashMap<burn::module::ParamId, burn::tensor::ops::FloatTensor<B>>,
+    );
+    impl<B: Backend> burn::module::ModuleVisitor<B> for Collect<B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if param.val().is_require_grad() {
+                self.0.insert(param.id, param.val().into_primitive().tensor());
+            }
+        }
+    }
+    struct Take<B: Backend>(
+        std::collections::HashMap<burn::module::ParamId, burn::tensor::ops::FloatTensor<B>>,
+    );
+    impl<B: Backend> ModuleMapper<B> for Take<B> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            if !param.val().is_require_grad() {
+                return param;
+            }
+            let (id, tensor, mapper) = param.consume();
+            match self.0.remove(&id) {
+                Some(t) => Param::from_mapped_value(
+                    id,
+                    Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(t)),
+                    mapper,
+                ),
+                None => Param::from_mapped_value(id, tensor, mapper),
+            }
+        }
+    }
+    let mut collect = Collect(std::collections::HashMap::new());
+    from.visit(&mut collect);
+    into.map(&mut Take(collect.0))
+}
+
+/// The whole model gathered from the shards: each parameter full, buffers as rank 0 has them.
+fn full_model<B: FsdpBackend, M: AutodiffModule<B>>(fsdp: &Fsdp<B, M>) -> Result<M, FsdpError> {
+    let full = fsdp.full_parameters()?;
+    let by_path: std::collections::HashMap<String, (Vec<usize>, burn::tensor::TensorData)> =
+        full.into_iter().map(|(path, shape, data)| (path, (shape, data))).collect();
+    struct Load<'a, B: Backend> {
+        path: PathStack,
+        full: &'a std::collections::HashMap<String, (Vec<usize>, burn::tensor::TensorData)>,
+        device: B::Device,
+    }
+    impl<B: Backend> ModuleMapper<B> for Load<'_, B> {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name);
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let Some((shape, data)) = self.full.get(&self.path.current()) else { return param };
+            let (id, tensor, mapper) = param.consume();
+            let grad = tensor.is_require_grad();
+            let flat = Tensor::<B, 1>::from_data(data.clone(), &self.device).cast(tensor.dtype());
+            let t: Tensor<B, D> = flat.reshape(burn::tensor::Shape::from(shape.clone()));
+            Param::from_mapped_value(id, if grad { t.require_grad() } else { t }, mapper)
+        }
+    }
+    let device = fsdp.module().devices().first().cloned().unwrap_or_default();
+    Ok(fsdp.module().clone().map(&mut Load::<B> { path: PathStack::default(), full: &by_path, device }))
+}

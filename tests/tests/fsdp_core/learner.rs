@@ -1,0 +1,348 @@
+//! FSDP inside burn-train's `Learner` (issue #42): a user's `SupervisedTraining` setup — their
+//! `TrainStep`/`InferenceStep`, a Burn optimizer, a learning rate, the loss metric — runs over
+//! W = 1, 2, 3 in-process ranks by changing the strategy only, and logs the per-epoch losses the
+//! single-device `Learner` logs (≤ 1e-5), on two models:
+//!
+//! - a conv net with BatchNorm, its conv blocks marked `FsdpUnit`, trained with SGD + momentum.
+//!   BatchNorm normalises each rank's rows by their own statistics, so the single-device
+//!   reference takes the same rows as `W` micro-batches with burn-train's gradient accumulation
+//!   (which sums them) and `lr / W` (SGD is linear in the gradient: the same steps);
+//! - a text classifier on Burn's own `TransformerEncoder`, left as written (one unit), trained
+//!   with AdamW; the single-device reference takes each step's rows of all ranks as one batch.
+//!
+//! The rows each rank takes: its contiguous `1/W` of the items; the reference's batches are laid
+//! out so that step `k` holds the `k`-th batch of every rank.
+
+use std::path::Path;
+
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
+use burn::data::dataset::InMemDataset;
+use burn::module::Module;
+use burn::nn::conv::{Conv2d, Conv2dConfig};
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::transformer::{TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput};
+use burn::nn::{
+    BatchNorm, BatchNormConfig, Embedding, EmbeddingConfig, Linear, LinearConfig, PaddingConfig2d,
+};
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{AdamWConfig, SgdConfig};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_fsdp::learner::FsdpStrategy;
+use burn_fsdp::{FsdpConfig, FsdpUnit};
+use burn_train::metric::LossMetric;
+use burn_train::{
+    ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
+    TrainingStrategy,
+};
+
+use super::any_model::FB;
+
+type IB = burn::backend::NdArray<f32>;
+
+const ITEMS: usize = 72; // per-rank shares of 72, 36, 24 items: whole batches of 4
+const BATCH: usize = 4;
+const EPOCHS: usize = 2;
+const CLASSES: usize = 3;
+
+// ---------------------------------------------------------------------------------------
+// Data: deterministic items; an item is (features, label).
+
+#[derive(Clone, Debug)]
+struct Sample {
+    x: Vec<f32>,
+    label: usize,
+}
+
+#[derive(Clone, Debug)]
+struct Batch<B: Backend> {
+    x: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+}
+
+#[derive(Clone, Default)]
+struct Rows;
+
+impl<B: Backend> Batcher<B, Sample, Batch<B>> for Rows {
+    fn batch(&self, items: Vec<Sample>, device: &B::Device) -> Batch<B> {
+        let width = items[0].x.len();
+        let n = items.len();
+        let x: Vec<f32> = items.iter().flat_map(|s| s.x.iter().copied()).collect();
+        let y: Vec<i64> = items.iter().map(|s| s.label as i64).collect();
+        Batch {
+            x: Tensor::from_data(TensorData::new(x, [n, width]), device),
+            targets: Tensor::from_data(TensorData::new(y, [n]), device),
+        }
+    }
+}
+
+fn samples(width: usize, tokens: bool, salt: usize) -> Vec<Sample> {
+    (0..ITEMS)
+        .map(|i| {
+            let x = (0..width)
+                .map(|j| {
+                    let v = (i * 31 + j * 7 + salt * 13) % 17;
+                    if tokens { (v % 11) as f32 } else { (v as f32 - 8.0) * 0.1 }
+                })
+                .collect();
+            Sample { x, label: (i * 5 + salt) % CLASSES }
+        })
+        .collect()
+}
+
+/// The single-device order: step `k`'s batch holds the `k`-th batch of every rank's share.
+fn interleaved(items: &[Sample], world: usize) -> Vec<Sample> {
+    let per = items.len() / world;
+    let mut out = Vec::new();
+    for k in 0..per / BATCH {
+        for r in 0..world {
+            out.extend_from_slice(&items[r * per + k * BATCH..r * per + (k + 1) * BATCH]);
+        }
+    }
+    out
+}
+
+fn loader<B: Backend>(items: Vec<Sample>, batch: usize) -> std::sync::Arc<dyn DataLoader<B, Batch<B>>> {
+    DataLoaderBuilder::new(Rows).batch_size(batch).build(InMemDataset::new(items))
+}
+
+// ---------------------------------------------------------------------------------------
+// Model 1: conv blocks with BatchNorm (each block an FSDP unit), a linear head.
+
+const SIDE: usize = 6;
+
+#[derive(Module, Debug)]
+struct ConvBlock<B: Backend> {
+    conv: Conv2d<B>,
+    norm: BatchNorm<B>,
+}
+
+#[derive(Module, Debug)]
+struct ConvNet<B: Backend> {
+    blocks: Vec<FsdpUnit<ConvBlock<B>>>,
+    head: Linear<B>,
+}
+
+impl<B: Backend> ConvNet<B> {
+    fn new(device: &B::Device) -> Self {
+        let block = |c_in, c_out| ConvBlock {
+            conv: Conv2dConfig::new([c_in, c_out], [3, 3]).with_padding(PaddingConfig2d::Same).init(device),
+            norm: BatchNormConfig::new(c_out).init(device),
+        };
+        Self {
+            blocks: vec![FsdpUnit::new(block(1, 4)), FsdpUnit::new(block(4, 5))],
+            head: LinearConfig::new(5 * SIDE * SIDE, CLASSES).init(device),
+        }
+    }
+
+    fn forward(&self, x: Tensor<B, 2>, targets: Tensor<B, 1, Int>) -> ClassificationOutput<B> {
+        let [n, _] = x.dims();
+        let mut h = x.reshape([n, 1, SIDE, SIDE]);
+        for block in &self.blocks {
+            h = block.run(h, |b, h| b.norm.forward(b.conv.forward(h)).tanh());
+        }
+        let logits = self.head.forward(h.reshape([n, 5 * SIDE * SIDE]));
+        let loss =
+            CrossEntropyLossConfig::new().init(&logits.device()).forward(logits.clone(), targets.clone());
+        ClassificationOutput::new(loss, logits, targets)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Model 2: a text classifier on Burn's TransformerEncoder, as written (no marks).
+
+const SEQ: usize = 5;
+const VOCAB: usize = 11;
+const D_MODEL: usize = 8;
+
+#[derive(Module, Debug)]
+struct TextNet<B: Backend> {
+    embedding: Embedding<B>,
+    encoder: TransformerEncoder<B>,
+    head: Linear<B>,
+}
+
+impl<B: Backend> TextNet<B> {
+    fn new(device: &B::Device) -> Self {
+        Self {
+            embedding: EmbeddingConfig::new(VOCAB, D_MODEL).init(device),
+            encoder: TransformerEncoderConfig::new(D_MODEL, 16, 2, 2).with_dropout(0.0).init(device),
+            head: LinearConfig::new(D_MODEL, CLASSES).init(device),
+        }
+    }
+
+    fn forward(&self, x: Tensor<B, 2>, targets: Tensor<B, 1, Int>) -> ClassificationOutput<B> {
+        let [n, _] = x.dims();
+        let tokens = x.int();
+        let h = self.encoder.forward(TransformerEncoderInput::new(self.embedding.forward(tokens)));
+        let logits = self.head.forward(h.mean_dim(1).reshape([n, D_MODEL]));
+        let loss =
+            CrossEntropyLossConfig::new().init(&logits.device()).forward(logits.clone(), targets.clone());
+        ClassificationOutput::new(loss, logits, targets)
+    }
+}
+
+macro_rules! steps {
+    ($model:ident) => {
+        impl<B: AutodiffBackend> TrainStep for $model<B> {
+            type Input = Batch<B>;
+            type Output = ClassificationOutput<B>;
+            fn step(&self, batch: Batch<B>) -> TrainOutput<ClassificationOutput<B>> {
+                let item = self.forward(batch.x, batch.targets);
+                TrainOutput::new(self, item.loss.backward(), item)
+            }
+        }
+        impl<B: Backend> InferenceStep for $model<B> {
+            type Input = Batch<B>;
+            type Output = ClassificationOutput<B>;
+            fn step(&self, batch: Batch<B>) -> ClassificationOutput<B> {
+                self.forward(batch.x, batch.targets)
+            }
+        }
+    };
+}
+steps!(ConvNet);
+steps!(TextNet);
+
+/// `make`'s model with every parameter drawn now, from a fixed seed: its clones share the
+/// values (a lazy parameter would draw again in each clone).
+fn fixed<B: Backend, M: Module<B>>(make: impl FnOnce(&B::Device) -> M) -> M {
+    struct Draw;
+    impl<B: Backend> burn::module::ModuleMapper<B> for Draw {
+        fn map_float<const D: usize>(
+            &mut self,
+            param: burn::module::Param<Tensor<B, D>>,
+        ) -> burn::module::Param<Tensor<B, D>> {
+            let (id, tensor, mapper) = param.consume();
+            burn::module::Param::from_mapped_value(id, tensor, mapper)
+        }
+    }
+    let device = Default::default();
+    B::seed(&device, 7);
+    make(&device).map(&mut Draw)
+}
+
+// ---------------------------------------------------------------------------------------
+// Reading what the Learner logged.
+
+/// Mean of each epoch's logged values of `metric` in `split`.
+fn epoch_means(dir: &Path, split: &str, metric: &str) -> Vec<f64> {
+    (1..=EPOCHS)
+        .map(|e| {
+            let file = dir.join(split).join(format!("epoch-{e}")).join(format!("{metric}.log"));
+            let text = std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+            let (mut sum, mut n) = (0.0, 0.0);
+            for line in text.lines().filter(|l| !l.is_empty()) {
+                let mut parts = line.split(',');
+                let v: f64 = parts.next().and_then(|v| v.parse().ok()).expect("a value");
+                let c: f64 = parts.next().and_then(|c| c.parse().ok()).unwrap_or(1.0);
+                sum += v * c;
+                n += c;
+            }
+            sum / n
+        })
+        .collect()
+}
+
+fn close(name: &str, got: &[f64], want: &[f64]) {
+    assert_eq!(got.len(), want.len(), "{name}: epochs");
+    for (e, (g, w)) in got.iter().zip(want).enumerate() {
+        let d = (g - w).abs() / w.abs().max(1e-12);
+        assert!(d <= 1e-5, "{name}, epoch {}: {g} vs one device {w} ({d:e})", e + 1);
+    }
+    // The training moved: a test of a frozen model would pass trivially.
+    if name.contains("train") {
+        assert!((got[0] - got[got.len() - 1]).abs() > 1e-4, "{name}: the loss did not move: {got:?}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn conv_batchnorm_learner_over_fsdp_logs_the_losses_of_one_device() {
+    let width = SIDE * SIDE;
+    let (train, valid) = (samples(width, false, 0), samples(width, false, 1));
+    for world in [1, 2, 3] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let lr = 0.1;
+        let sgd = || SgdConfig::new().with_momentum(Some(MomentumConfig::new().with_momentum(0.9)));
+        // One device: batch-size micro-batches, `world` of them accumulated, lr / world.
+        let one = dir.path().join("one");
+        let model = fixed::<FB, _>(ConvNet::new);
+        SupervisedTraining::new(
+            &one,
+            loader::<FB>(interleaved(&train, world), BATCH),
+            loader::<IB>(valid.clone(), BATCH),
+        )
+        .metrics((LossMetric::new(),))
+        .grads_accumulation(world)
+        .num_epochs(EPOCHS)
+        .launch(Learner::new(model.clone(), sgd().init(), lr / world as f64));
+        // FSDP: the strategy is the one change.
+        let fsdp = dir.path().join("fsdp");
+        let result = SupervisedTraining::new(
+            &fsdp,
+            loader::<FB>(train.clone(), BATCH),
+            loader::<IB>(valid.clone(), BATCH),
+        )
+        .metrics((LossMetric::new(),))
+        .with_training_strategy(FsdpStrategy::in_process(world, FsdpConfig::default()).into())
+        .num_epochs(EPOCHS)
+        .launch(Learner::new(model, sgd().init(), lr));
+        close(
+            &format!("conv W = {world}, train"),
+            &epoch_means(&fsdp, "train", "Loss"),
+            &epoch_means(&one, "train", "Loss"),
+        );
+        // The returned model is whole: the user's own type, every parameter full size.
+        let model: ConvNet<IB> = result.model;
+        assert_eq!(model.head.weight.dims(), [5 * SIDE * SIDE, CLASSES]);
+    }
+}
+
+#[test]
+fn transformer_text_classifier_learner_over_fsdp_logs_the_losses_of_one_device() {
+    let (train, valid) = (samples(SEQ, true, 0), samples(SEQ, true, 1));
+    for world in [1, 2, 3] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let adamw = || AdamWConfig::new().with_weight_decay(0.01);
+        let lr = 0.01;
+        let model = fixed::<FB, _>(TextNet::new);
+        let one = dir.path().join("one");
+        let single = SupervisedTraining::new(
+            &one,
+            loader::<FB>(interleaved(&train, world), BATCH * world),
+            loader::<IB>(interleaved(&valid, world), BATCH * world),
+        )
+        .metrics((LossMetric::new(),))
+        .num_epochs(EPOCHS)
+        .launch(Learner::new(model.clone(), adamw().init(), lr));
+        let fsdp = dir.path().join("fsdp");
+        let strategy: TrainingStrategy<_> = FsdpStrategy::in_process(world, FsdpConfig::default()).into();
+        let result = SupervisedTraining::new(
+            &fsdp,
+            loader::<FB>(train.clone(), BATCH),
+            loader::<IB>(valid.clone(), BATCH),
+        )
+        .metrics((LossMetric::new(),))
+        .with_training_strategy(strategy)
+        .num_epochs(EPOCHS)
+        .launch(Learner::new(model, adamw().init(), lr));
+        for split in ["train", "valid"] {
+            close(
+                &format!("transformer W = {world}, {split}"),
+                &epoch_means(&fsdp, split, "Loss"),
+                &epoch_means(&one, split, "Loss"),
+            );
+        }
+        // The trained models agree too (the returned one is whole).
+        let (a, b) = (result.model, single.model);
+        let x = loader::<IB>(valid.clone(), ITEMS).iter().next().expect("a batch");
+        let (ya, yb) = (a.forward(x.x.clone(), x.targets.clone()), b.forward(x.x, x.targets));
+        let (ya, yb): (Vec<f32>, Vec<f32>) =
+            (ya.output.into_data().to_vec().expect("f32"), yb.output.into_data().to_vec().expect("f32"));
+        let d = ya.iter().zip(&yb).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max);
+        assert!(d <= 1e-4, "W = {world}: the trained models' logits differ by {d:e}");
+    }
+}
