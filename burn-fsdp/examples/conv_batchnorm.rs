@@ -25,7 +25,7 @@ use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer, SgdConfig};
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_fsdp::{DeviceMesh, Direct, Fsdp, FsdpConfig, ReduceOp, UnitRunner, launch};
+use burn_fsdp::{DeviceMesh, Fsdp, FsdpConfig, FsdpUnit, ReduceOp, launch};
 
 const CHANNELS: [usize; 3] = [1, 6, 10];
 const SIDE: usize = 8;
@@ -44,7 +44,7 @@ struct ConvBlock<B: Backend> {
 /// Conv blocks (each an FSDP unit), global average pooling, a linear classifier (root unit).
 #[derive(Module, Debug)]
 struct ConvNet<B: Backend> {
-    blocks: Vec<ConvBlock<B>>,
+    blocks: Vec<FsdpUnit<ConvBlock<B>>>,
     pool: AdaptiveAvgPool2d,
     classifier: Linear<B>,
 }
@@ -52,11 +52,13 @@ struct ConvNet<B: Backend> {
 impl<B: Backend> ConvNet<B> {
     fn new(device: &B::Device) -> Self {
         let blocks = (0..CHANNELS.len() - 1)
-            .map(|i| ConvBlock {
-                conv: Conv2dConfig::new([CHANNELS[i], CHANNELS[i + 1]], [3, 3])
-                    .with_padding(PaddingConfig2d::Same)
-                    .init(device),
-                norm: BatchNormConfig::new(CHANNELS[i + 1]).init(device),
+            .map(|i| {
+                FsdpUnit::new(ConvBlock {
+                    conv: Conv2dConfig::new([CHANNELS[i], CHANNELS[i + 1]], [3, 3])
+                        .with_padding(PaddingConfig2d::Same)
+                        .init(device),
+                    norm: BatchNormConfig::new(CHANNELS[i + 1]).init(device),
+                })
             })
             .collect();
         Self {
@@ -66,16 +68,10 @@ impl<B: Backend> ConvNet<B> {
         }
     }
 
-    fn loss(
-        &self,
-        x: Tensor<B, 4>,
-        labels: Tensor<B, 1, Int>,
-        runner: &mut impl UnitRunner<B>,
-    ) -> Tensor<B, 1> {
+    fn loss(&self, x: Tensor<B, 4>, labels: Tensor<B, 1, Int>) -> Tensor<B, 1> {
         let mut h = x;
         for block in &self.blocks {
-            h = runner
-                .run(block, h, |b, h| burn::tensor::activation::relu(b.norm.forward(b.conv.forward(h))));
+            h = block.run(h, |b, h| burn::tensor::activation::relu(b.norm.forward(b.conv.forward(h))));
         }
         let features = self.pool.forward(h).flatten::<2>(1, 3);
         CrossEntropyLossConfig::new()
@@ -139,7 +135,7 @@ fn single(world: usize, weights: &Path) -> Vec<f64> {
             let mut total = 0.0;
             for r in 0..world {
                 let (x, y) = data::<B>(step, r * per..(r + 1) * per, &device);
-                let loss = model.loss(x, y, &mut Direct).div_scalar(world as f64);
+                let loss = model.loss(x, y).div_scalar(world as f64);
                 total += loss.clone().into_scalar() as f64;
                 accum.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
             }
@@ -164,7 +160,7 @@ fn fsdp(world: usize, weights: &Path) -> Vec<f64> {
         let mut losses = Vec::new();
         for step in 0..STEPS {
             let (x, y) = data::<B>(step, rank * per..(rank + 1) * per, &device);
-            let loss = fsdp.forward(|model, runner| model.loss(x, y, runner));
+            let loss = fsdp.forward(|model, _| model.loss(x, y));
             losses.push(fsdp.all_reduce_scalar(loss.clone().into_scalar() as f64, ReduceOp::Avg, "loss")?);
             let grads = fsdp.gradients(loss.backward());
             fsdp.step_with(&mut optim, LR, grads)?;

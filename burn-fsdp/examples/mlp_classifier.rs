@@ -5,8 +5,9 @@
 //! cargo run --release -p burn-fsdp --example mlp_classifier
 //! ```
 //!
-//! The model is an ordinary Burn module (Burn's default initialisers); the only FSDP-specific
-//! line of its code is `runner.run(layer, …)` around each hidden layer. The reference weights
+//! The model is an ordinary Burn module (Burn's default initialisers); what FSDP adds to its
+//! code is the `FsdpUnit` around each hidden layer (in the struct, and `layer.run(h, …)` where
+//! it is called), which makes each layer its own unit; no signature changes. The reference weights
 //! are saved once with Burn's recorder and loaded by every rank, as a pretrained checkpoint
 //! would be.
 
@@ -24,7 +25,7 @@ use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_fsdp::{DeviceMesh, Direct, Fsdp, FsdpConfig, ReduceOp, UnitRunner, launch};
+use burn_fsdp::{DeviceMesh, Fsdp, FsdpConfig, FsdpUnit, ReduceOp, launch};
 
 /// Features, hidden widths, classes.
 const DIMS: [usize; 4] = [12, 32, 32, 5];
@@ -34,27 +35,23 @@ const STEPS: usize = 8;
 /// Hidden layers (each an FSDP unit) and an output layer (in the root unit).
 #[derive(Module, Debug)]
 struct Mlp<B: Backend> {
-    hidden: Vec<Linear<B>>,
+    hidden: Vec<FsdpUnit<Linear<B>>>,
     output: Linear<B>,
 }
 
 impl<B: Backend> Mlp<B> {
     fn new(device: &B::Device) -> Self {
-        let hidden =
-            (0..DIMS.len() - 2).map(|i| LinearConfig::new(DIMS[i], DIMS[i + 1]).init(device)).collect();
+        let hidden = (0..DIMS.len() - 2)
+            .map(|i| FsdpUnit::new(LinearConfig::new(DIMS[i], DIMS[i + 1]).init(device)))
+            .collect();
         Self { hidden, output: LinearConfig::new(DIMS[2], DIMS[3]).init(device) }
     }
 
     /// Mean cross-entropy of `x`'s rows against `labels`.
-    fn loss(
-        &self,
-        x: Tensor<B, 2>,
-        labels: Tensor<B, 1, Int>,
-        runner: &mut impl UnitRunner<B>,
-    ) -> Tensor<B, 1> {
+    fn loss(&self, x: Tensor<B, 2>, labels: Tensor<B, 1, Int>) -> Tensor<B, 1> {
         let mut h = x;
         for layer in &self.hidden {
-            h = runner.run(layer, h, |layer, h| burn::tensor::activation::relu(layer.forward(h)));
+            h = layer.run(h, |layer, h| burn::tensor::activation::relu(layer.forward(h)));
         }
         CrossEntropyLossConfig::new().init(&h.device()).forward(self.output.forward(h), labels)
     }
@@ -104,7 +101,7 @@ fn single(weights: &Path) -> Vec<f64> {
     (0..STEPS)
         .map(|step| {
             let (x, y) = data::<B>(step, 0..ROWS, &device);
-            let loss = model.loss(x, y, &mut Direct);
+            let loss = model.loss(x, y);
             let value = loss.clone().into_scalar() as f64;
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             model = optim.step(lr.step(), model.clone(), grads);
@@ -128,7 +125,7 @@ fn fsdp(world: usize, weights: &Path) -> Vec<f64> {
         let mut losses = Vec::new();
         for step in 0..STEPS {
             let (x, y) = data::<B>(step, rank * per..(rank + 1) * per, &device);
-            let loss = fsdp.forward(|model, runner| model.loss(x, y, runner));
+            let loss = fsdp.forward(|model, _| model.loss(x, y));
             losses.push(fsdp.all_reduce_scalar(loss.clone().into_scalar() as f64, ReduceOp::Avg, "loss")?);
             let grads = fsdp.gradients(loss.backward());
             fsdp.step_with(&mut optim, lr.step(), grads)?;
