@@ -29,6 +29,8 @@
 //! - The model's side, used by FSDP and by models: [`runner`] and [`activation`] (the hooks a
 //!   model runs its blocks through, activation checkpointing) and [`walk`] (module paths and
 //!   parameter descriptions, shared with `tp`).
+//! - burn-train: `learner::FsdpStrategy` (feature `learner`), FSDP inside burn-train's
+//!   `Learner`; [`FsdpUnit`] marks a model's blocks as units without changing its forward.
 //! - Beside FSDP: [`tp`] (tensor parallelism on a 2-D mesh), [`optim`] (AdamW on shards, clipping),
 //!   [`checkpoint`] and [`io`] (sharded state on disk).
 //!

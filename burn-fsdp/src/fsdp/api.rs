@@ -759,7 +759,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     /// A barrier of every rank of the mesh (the shard group, then the replicate group: once
     /// both returned, every rank has arrived); a failure unwinds as a
     /// [`CollectiveFailure`](crate::CollectiveFailure).
-    fn barrier_all(&self, name: &str) {
+    pub(crate) fn barrier_all(&self, name: &str) {
         self.quiesce();
         let tag = Tag::new(name);
         let groups = std::iter::once(self.shard_group()).chain(self.replicate_group());

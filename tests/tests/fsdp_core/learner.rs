@@ -346,3 +346,100 @@ fn transformer_text_classifier_learner_over_fsdp_logs_the_losses_of_one_device()
         assert!(d <= 1e-4, "W = {world}: the trained models' logits differ by {d:e}");
     }
 }
+
+fn walk(dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            out.extend(walk(&path));
+        } else {
+            out.push(path.display().to_string());
+        }
+    }
+    out
+}
+
+/// Copies the files of `from` into `to` (a checkpoint directory, one level deep).
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).expect("mkdir");
+    for entry in std::fs::read_dir(from).expect("read_dir") {
+        let entry = entry.expect("entry");
+        std::fs::copy(entry.path(), to.join(entry.file_name())).expect("copy");
+    }
+}
+
+#[test]
+fn learner_checkpoints_resume_at_another_world_size_as_one_device_resumes() {
+    use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
+    let (train, valid) = (samples(SEQ, true, 0), samples(SEQ, true, 1));
+    let adamw = || AdamWConfig::new().with_weight_decay(0.01);
+    let lr = 0.01;
+    let model = fixed::<FB, _>(TextNet::new);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new;
+    // Epoch 1 at W = 2: FSDP with its sharded checkpoints; one device (the same rows per step)
+    // with burn-train's own file checkpointer.
+    let one = dir.path().join("one-epoch-1");
+    SupervisedTraining::new(
+        &one,
+        loader::<FB>(interleaved(&train, 2), BATCH * 2),
+        loader::<IB>(interleaved(&valid, 2), BATCH * 2),
+    )
+    .metrics((LossMetric::new(),))
+    .with_file_checkpointer(recorder())
+    .num_epochs(1)
+    .launch(Learner::new(model.clone(), adamw().init(), lr));
+    let sharded = dir.path().join("fsdp-checkpoints");
+    let fsdp = dir.path().join("fsdp-epoch-1");
+    SupervisedTraining::new(&fsdp, loader::<FB>(train.clone(), BATCH), loader::<IB>(valid.clone(), BATCH))
+        .metrics((LossMetric::new(),))
+        .with_training_strategy(
+            FsdpStrategy::in_process(2, FsdpConfig::default()).checkpoints(&sharded).into(),
+        )
+        .num_epochs(1)
+        .launch(Learner::new(model.clone(), adamw().init(), lr));
+    assert!(sharded.join("epoch-1.json").exists(), "the index is written");
+    // Epoch 2, resumed: at W = 3 and W = 1 from the W = 2 checkpoint; one device from its own.
+    for world in [3, 1] {
+        let one_resumed = dir.path().join(format!("one-resumed-{world}"));
+        copy_dir(&one.join("checkpoint"), &one_resumed.join("checkpoint"));
+        SupervisedTraining::new(
+            &one_resumed,
+            loader::<FB>(interleaved(&train, world), BATCH * world),
+            loader::<IB>(interleaved(&valid, world), BATCH * world),
+        )
+        .metrics((LossMetric::new(),))
+        .with_file_checkpointer(recorder())
+        .checkpoint(1)
+        .num_epochs(2)
+        .launch(Learner::new(model.clone(), adamw().init(), lr));
+        let resumed = dir.path().join(format!("fsdp-resumed-{world}"));
+        SupervisedTraining::new(
+            &resumed,
+            loader::<FB>(train.clone(), BATCH),
+            loader::<IB>(valid.clone(), BATCH),
+        )
+        .metrics((LossMetric::new(),))
+        .with_training_strategy(
+            FsdpStrategy::in_process(world, FsdpConfig::default()).checkpoints(&sharded).into(),
+        )
+        .checkpoint(1)
+        .num_epochs(2)
+        .launch(Learner::new(model.clone(), adamw().init(), lr));
+        let read = |dir: &Path| {
+            // burn-train's metric store numbers the epochs of a run from 1, a resumed run too
+            // (one device and FSDP alike): the resumed epoch 2 is logged under `epoch-1`.
+            let file = dir.join("train/epoch-1/Loss.log");
+            let text = std::fs::read_to_string(&file).unwrap_or_else(|e| {
+                let listing: Vec<String> = walk(dir);
+                panic!("{}: {e}; the run wrote {listing:?}", file.display())
+            });
+            let v: Vec<f64> = text.lines().filter_map(|l| l.split(',').next()?.parse().ok()).collect();
+            v.iter().sum::<f64>() / v.len() as f64
+        };
+        let (got, want) = (read(&resumed), read(&one_resumed));
+        let d = (got - want).abs() / want.abs();
+        assert!(d <= 1e-5, "resumed at W = {world}: epoch 2 loss {got} vs one device {want} ({d:e})");
+    }
+}

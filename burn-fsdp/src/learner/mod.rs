@@ -28,6 +28,17 @@
 //! The trained model the `Learner` returns is whole (gathered from the shards), the user's own
 //! model type: `model.save_file(…)` writes a Burn record that single-device code loads.
 //!
+//! # Checkpoints
+//! With [`FsdpStrategy::checkpoints`]`(dir)`, every rank saves its learner's records after each
+//! epoch — burn-train's own `LearningCheckpointer`, so the state of any Burn optimizer (Adam,
+//! AdamW, SGD with momentum, RmsProp, …), buffers (BatchNorm's running statistics, rank 0's)
+//! and the scheduler are saved as they are — and rank 0 writes `epoch-N.json` last.
+//! `SupervisedTraining::checkpoint(N)` resumes from it at any world size: the whole model and
+//! optimizer state are rebuilt from every saved rank's rows (each rank reads all the files:
+//! the whole state passes through each rank's memory once) and cut to the new ranks' rows.
+//! Tested: saved at W = 2, resumed at W = 3 and 1, the next epoch's loss equals one device
+//! resumed from burn-train's own checkpoint (`tests/tests/fsdp_core/learner.rs`).
+//!
 //! # Differences from one device, stated
 //! - BatchNorm normalises each rank's rows with their own statistics (PyTorch FSDP/DDP do the
 //!   same unless SyncBatchNorm), and the running statistics the returned model carries are rank
@@ -37,6 +48,9 @@
 //! - Gradient accumulation (`SupervisedTraining::grads_accumulation`) reduce-scatters every
 //!   micro-batch (same numbers as one device; no communication saved).
 
+mod records;
+
+use std::path::PathBuf;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -46,8 +60,13 @@ use burn::module::{AutodiffModule, Module, ModuleMapper, Param};
 use burn::optim::GradientsAccumulator;
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
+use burn_train::checkpoint::{
+    AsyncCheckpointer, CheckpointingAction, CheckpointingStrategy, FileCheckpointer,
+};
+use burn_train::metric::store::EventStoreClient;
 use burn_train::{
-    EventProcessorTraining, InferenceStep, Learner, LearnerEvent, LearningComponentsTypes,
+    EventProcessorTraining, InferenceStep, Learner, LearnerEvent, LearnerModelRecord, LearnerOptimizerRecord,
+    LearnerSchedulerRecord, LearningCheckpointer, LearningComponentsTypes, LearningResult,
     SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader, TrainStep, TrainingComponents,
     TrainingItem, TrainingModel, TrainingStrategy, ValidLoader,
 };
@@ -84,6 +103,7 @@ pub struct FsdpStrategy<B: FsdpBackend> {
     config: FsdpConfig,
     clip: Option<f64>,
     timeout: Duration,
+    checkpoints: Option<PathBuf>,
 }
 
 impl<B: FsdpBackend> std::fmt::Debug for FsdpStrategy<B> {
@@ -108,6 +128,7 @@ impl<B: FsdpBackend> FsdpStrategy<B> {
             config,
             clip: None,
             timeout: Duration::from_secs(300),
+            checkpoints: None,
         }
     }
 
@@ -119,6 +140,7 @@ impl<B: FsdpBackend> FsdpStrategy<B> {
             config,
             clip: None,
             timeout: Duration::from_secs(300),
+            checkpoints: None,
         }
     }
 
@@ -126,13 +148,29 @@ impl<B: FsdpBackend> FsdpStrategy<B> {
     /// or an MPI group): every process launches the same `SupervisedTraining`. Rank 0 renders
     /// and logs the metrics of its own items (the other processes' items stay where they are).
     pub fn over_mesh(mesh: DeviceMesh<B::InnerBackend>, config: FsdpConfig) -> Self {
-        Self { ranks: Ranks::Mesh(mesh), config, clip: None, timeout: Duration::from_secs(300) }
+        Self {
+            ranks: Ranks::Mesh(mesh),
+            config,
+            clip: None,
+            timeout: Duration::from_secs(300),
+            checkpoints: None,
+        }
     }
 
     /// Clips gradients by their global norm before each optimizer step
     /// ([`Fsdp::clip_grad_norm`], PyTorch's `clip_grad_norm_`).
     pub fn clip_grad_norm(mut self, max_norm: f64) -> Self {
         self.clip = Some(max_norm);
+        self
+    }
+
+    /// Saves a checkpoint into `dir` after every epoch: each rank its learner's records (its
+    /// shards, its optimizer's state for them — any Burn optimizer — and the scheduler), rank 0
+    /// an index last. `SupervisedTraining::checkpoint(epoch)` resumes from it, at any world
+    /// size. Use this instead of burn-train's `with_file_checkpointer`, which saves one
+    /// unsharded record.
+    pub fn checkpoints(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.checkpoints = Some(dir.into());
         self
     }
 
@@ -196,6 +234,24 @@ where
     TrainOut<LC>: Send,
     ValidOut<LC>: Send,
 {
+    /// burn-train's `train`, except that resuming (`SupervisedTraining::checkpoint`) reads
+    /// FSDP's own checkpoints (the file checkpointer's unsharded records are not used).
+    fn train(
+        &self,
+        learner: Learner<LC>,
+        train: TrainLoader<LC>,
+        valid: ValidLoader<LC>,
+        mut components: TrainingComponents<LC>,
+    ) -> LearningResult<LC::InferenceModel> {
+        let starting_epoch = components.checkpoint.map_or(1, |epoch| epoch + 1);
+        let summary = components.summary.clone();
+        components.event_processor.process_train(LearnerEvent::Start);
+        let (model, mut processor) = self.fit(components, learner, train, valid, starting_epoch);
+        let summary = summary.and_then(|s| s.init().ok());
+        processor.process_train(LearnerEvent::End(summary));
+        LearningResult { model: model.valid(), renderer: processor.renderer() }
+    }
+
     fn fit(
         &self,
         components: TrainingComponents<LC>,
@@ -206,8 +262,15 @@ where
     ) -> (TrainingModel<LC>, SupervisedTrainingEventProcessor<LC>) {
         if components.checkpointer.is_some() {
             eprintln!(
-                "warning: FsdpStrategy: burn-train's file checkpointer saves one model and optimizer \
-                 record, and FSDP's state is sharded: it is not used (see burn_fsdp::learner)"
+                "warning: FsdpStrategy: burn-train's file checkpointer saves one unsharded record and is \
+                 not used; FsdpStrategy::checkpoints(dir) saves FSDP's sharded checkpoints"
+            );
+        }
+        let resume = starting_epoch.checked_sub(1).filter(|&e| e > 0);
+        if resume.is_some() && self.checkpoints.is_none() {
+            panic!(
+                "SupervisedTraining::checkpoint asks to resume, and this FsdpStrategy has no checkpoint \
+                 directory: set FsdpStrategy::checkpoints(dir)"
             );
         }
         let loop_ = Loop {
@@ -216,6 +279,9 @@ where
             interrupter: components.interrupter.clone(),
             clip: self.clip,
             config: self.config.clone(),
+            checkpoints: self.checkpoints.clone(),
+            resume,
+            store: components.event_store.clone(),
         };
         let processor = components.event_processor;
         let result = match &self.ranks {
@@ -301,6 +367,10 @@ struct Loop {
     interrupter: burn_train::Interrupter,
     clip: Option<f64>,
     config: FsdpConfig,
+    checkpoints: Option<PathBuf>,
+    /// The epoch whose checkpoint to start from.
+    resume: Option<usize>,
+    store: Arc<EventStoreClient>,
 }
 
 type Done<LC> = (TrainingModel<LC>, SupervisedTrainingEventProcessor<LC>);
@@ -316,6 +386,19 @@ impl Loop {
         LC::Backend: FsdpBackend,
     {
         let RankInput { mut learner, train, valid, mut sink } = input;
+        let device = mesh.device().clone();
+        // Resuming: the whole model first (every saved rank's rows), wrapped below as usual.
+        let resume = match (&self.checkpoints, self.resume) {
+            (Some(dir), Some(epoch)) => {
+                let index = records::read_index(dir, epoch)?;
+                let models =
+                    records::load_all::<LearnerModelRecord<LC>, LC::Backend>(dir, &index, "model", &device)?;
+                let whole = records::unshard(&models, &index)?;
+                learner.load_model(records::from_value(whole, &device, "model record")?);
+                Some((dir.clone(), index))
+            }
+            _ => None,
+        };
         // The ranks' learners are clones, whose buffers (Burn's `RunningState`) are one shared
         // object updated in place: each rank wraps a copy of its own (`from_inner(valid())`
         // makes new buffers and new leaves, with the same ids and `require_grad`).
@@ -324,6 +407,25 @@ impl Loop {
         // The learner's optimizer steps the shards: its model holds them. Only its parameters
         // are read back (`take_parameters`); the forward runs on FSDP's module and its buffers.
         learner.load_model(fsdp.module().clone().into_record());
+        if let Some((dir, index)) = resume {
+            // This rank's rows of the optimizer's state, whatever world size saved them.
+            let optims =
+                records::load_all::<LearnerOptimizerRecord<LC>, LC::Backend>(&dir, &index, "optim", &device)?;
+            let whole = records::unshard(&optims, &index)?;
+            let mine = records::reslice(&whole, &index, fsdp.rank(), fsdp.world())?;
+            learner.load_optim(records::from_value(mine, &device, "optimizer record")?);
+            let scheduler = records::load_all::<LearnerSchedulerRecord<LC>, LC::Backend>(
+                &dir,
+                &index,
+                "scheduler",
+                &device,
+            )?;
+            let scheduler = scheduler
+                .into_iter()
+                .next()
+                .ok_or_else(|| FsdpError::Config("no scheduler record".into()))?;
+            learner.load_scheduler(records::from_value(scheduler, &device, "scheduler record")?);
+        }
         for epoch in self.epochs.clone() {
             let global = Progress { items_processed: epoch, items_total: *self.epochs.end() };
             // Training.
@@ -380,6 +482,9 @@ impl Loop {
                 }
             }
             sink.end_valid(epoch);
+            if let Some(dir) = &self.checkpoints {
+                self.save(dir, epoch, &mut learner, &fsdp)?;
+            }
         }
         // The whole model, the user's own type: every rank takes part in the gathers.
         let full = full_model(&fsdp)?;
@@ -387,6 +492,68 @@ impl Loop {
             Sink::Render { processor, .. } => Some((full, processor)),
             _ => None,
         })
+    }
+}
+
+impl Loop {
+    /// Saves this rank's learner records of `epoch` (see `records.rs`); rank 0 writes the
+    /// index once every rank's files are in place.
+    fn save<LC>(
+        &self,
+        dir: &std::path::Path,
+        epoch: usize,
+        learner: &mut Learner<LC>,
+        fsdp: &Fsdp<LC::Backend, TrainingModel<LC>>,
+    ) -> Result<(), FsdpError>
+    where
+        LC: LearningComponentsTypes,
+        LC::Backend: FsdpBackend,
+    {
+        let (rank, world) = (fsdp.rank(), fsdp.world());
+        let writer = fsdp.replicate_rank() == 0;
+        if rank == 0 && writer {
+            // Never leave an index that validates files about to change.
+            let _ = std::fs::remove_file(records::index_path(dir, epoch));
+            // The model record carries the buffers: rank 0's own (the learners' clones share
+            // one buffer object, which only rank 0 writes).
+            learner.load_model(fsdp.module().clone().into_record());
+        }
+        fsdp.barrier_all("learner-checkpoint:begin");
+        if writer {
+            let rdir = records::rank_dir(dir, rank, world);
+            std::fs::create_dir_all(&rdir)
+                .map_err(|e| FsdpError::Config(format!("{}: {e}", rdir.display())))?;
+            let file = |name: &str| FileCheckpointer::new(records::recorder(), &rdir, name);
+            // Dropping the checkpointer waits for its files.
+            LearningCheckpointer::<LC>::new(
+                AsyncCheckpointer::new(file("model")),
+                AsyncCheckpointer::new(file("optim")),
+                AsyncCheckpointer::new(file("scheduler")),
+                Box::new(EveryEpoch),
+            )
+            .checkpoint(learner, epoch, &self.store);
+        }
+        fsdp.barrier_all("learner-checkpoint:files-written");
+        if rank == 0 && writer {
+            let params = fsdp
+                .units()
+                .iter()
+                .flat_map(|u| u.params.iter())
+                .map(|p| (p.id.serialize(), p.path.clone(), p.global_shape.clone()))
+                .collect();
+            records::write_index(dir, &records::Index { epoch, world, params })?;
+        }
+        fsdp.barrier_all("learner-checkpoint:done");
+        Ok(())
+    }
+}
+
+/// Saves every epoch (the Learner's FSDP checkpoints).
+struct EveryEpoch;
+
+impl CheckpointingStrategy for EveryEpoch {
+    fn checkpointing(&mut self, _epoch: usize, _store: &EventStoreClient) -> Vec<CheckpointingAction> {
+        vec![CheckpointingAction::Save]
     }
 }
 
