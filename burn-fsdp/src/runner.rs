@@ -53,7 +53,11 @@ pub trait UnitRunner<B: Backend> {
     }
 }
 
-/// The runner that calls every block directly: plain single-device execution.
+/// The runner of the thread: outside an FSDP forward it calls every block directly (plain
+/// single-device execution); inside [`Fsdp::forward`](crate::Fsdp::forward) or
+/// `forward_valid` it runs each block as that forward's runner does (gathering the block's
+/// unit), as [`FsdpUnit::run`](crate::FsdpUnit::run) does. So a model whose plain `forward`
+/// passes `&mut Direct` to its runner-taking forward works unchanged inside `fsdp.forward`.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Direct;
 
@@ -64,7 +68,10 @@ impl<B: Backend> UnitRunner<B> for Direct {
         x: Tensor<B, D>,
         f: impl FnOnce(&M, Tensor<B, D>) -> Tensor<B, D>,
     ) -> Tensor<B, D> {
-        f(unit, x)
+        crate::fsdp::scope::with_host::<B, _>(|host| match host {
+            Some(host) => crate::fsdp::scope::run_unit(host, unit, x, f),
+            None => f(unit, x),
+        })
     }
 }
 

@@ -9,7 +9,9 @@
 //! Parameters are stored exactly as Hugging Face names and lays them out (`[out, in]` linear
 //! weights, no biases), so that the module path of every parameter *is* its HF tensor name:
 //! `model.layers.3.self_attn.q_proj.weight`. Nothing here knows about parallelism: each
-//! decoder layer runs through a [`UnitRunner`], which FSDP uses to gather the layer's shards.
+//! decoder layer is marked an [`FsdpUnit`] (transparent to paths and records) and runs through
+//! a [`UnitRunner`] — [`Direct`] for the plain `forward`, which inside an FSDP forward gathers
+//! the layer as FSDP's own runner does.
 
 use burn::module::{Module, Param};
 use burn::tensor::activation::sigmoid;
@@ -17,6 +19,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
+use burn_fsdp::FsdpUnit;
 use burn_fsdp::runner::{Direct, ModuleHooks, NoHooks, UnitRunner};
 
 use crate::config::Qwen3Config;
@@ -384,8 +387,9 @@ impl<B: Backend> DecoderLayer<B> {
 pub struct Qwen3Model<B: Backend> {
     /// `[vocab, hidden]`.
     pub embed_tokens: Embedding<B>,
-    /// The decoder layers.
-    pub layers: Vec<DecoderLayer<B>>,
+    /// The decoder layers, each an FSDP unit (`FsdpUnit` is transparent: the same paths and
+    /// records, and it derefs to the layer).
+    pub layers: Vec<FsdpUnit<DecoderLayer<B>>>,
     /// Final norm.
     pub norm: RmsNorm<B>,
 }
@@ -441,7 +445,7 @@ impl<B: Backend> Qwen3<B> {
         let layers = (0..c.num_hidden_layers)
             .map(|i| {
                 let n = |s: &str| format!("model.layers.{i}.{s}");
-                DecoderLayer {
+                FsdpUnit::new(DecoderLayer {
                     self_attn: Attention::new(&n("self_attn"), c, w, device),
                     mlp: Mlp {
                         gate_proj: Linear::new(
@@ -480,7 +484,7 @@ impl<B: Backend> Qwen3<B> {
                         w,
                         device,
                     ),
-                }
+                })
             })
             .collect();
         Self {

@@ -59,13 +59,18 @@ pub(crate) fn run_unit<X: Backend, U: Module<X>, const D: usize>(
     }
     let mut shards = Shards(Vec::new(), HashMap::new());
     unit.visit(&mut shards);
+    // A block inside a block that is running gathered (an `FsdpUnit` or `Direct` call inside
+    // an explicit runner's block): its parameters are views already.
+    if inside_gathered(&shards.0) {
+        return f(unit, x);
+    }
     let Some(u) = host.enter(&shards.0) else { return f(unit, x) };
     let anchor = x.clone().into_primitive().tensor();
     let view = {
         let views = host.gather(u, &shards.1, anchor);
         unit.clone().map(&mut ByView(views))
     };
-    drop(shards);
+    let _gathered = Gathered::push(shards.0);
     let policy = host.policy();
     let x = match policy.param_dtype {
         Some(dt) if x.dtype() != dt => x.cast(dt),
@@ -75,6 +80,33 @@ pub(crate) fn run_unit<X: Backend, U: Module<X>, const D: usize>(
     match policy.output_dtype {
         Some(dt) if y.dtype() != dt => y.cast(dt),
         _ => y,
+    }
+}
+
+thread_local! {
+    /// The parameter ids of the blocks running gathered on this thread, innermost last.
+    static GATHERED: RefCell<Vec<Vec<ParamId>>> = const { RefCell::new(Vec::new()) };
+}
+
+fn inside_gathered(ids: &[ParamId]) -> bool {
+    !ids.is_empty() && GATHERED.with(|g| g.borrow().iter().any(|set| ids.iter().all(|id| set.contains(id))))
+}
+
+/// A block running gathered, until dropped (unwinding included).
+struct Gathered;
+
+impl Gathered {
+    fn push(ids: Vec<ParamId>) -> Self {
+        GATHERED.with(|g| g.borrow_mut().push(ids));
+        Gathered
+    }
+}
+
+impl Drop for Gathered {
+    fn drop(&mut self) {
+        GATHERED.with(|g| {
+            g.borrow_mut().pop();
+        });
     }
 }
 

@@ -255,3 +255,35 @@ fn marked_units_gather_one_at_a_time_and_evaluate_with_forward_valid() {
         assert!(d <= 1e-6, "evaluation off by {d:e}");
     }
 }
+
+/// Qwen3 marks its decoder layers `FsdpUnit`: the default config makes one unit per layer (as
+/// `UnitPolicy::VecElements` does), and its plain `forward` (no runner) inside `fsdp.forward`
+/// computes the same logits, bit for bit, as `forward_with` through FSDP's runner.
+#[test]
+fn qwen3_as_written_runs_under_the_default_config_one_unit_per_layer() {
+    use burn::tensor::Int;
+    let config = qwen3_burn::Qwen3Config::tiny();
+    let weights = config.init::<burn::backend::NdArray<f32>>(&Default::default()).to_hf_tensors();
+    let layers = config.num_hidden_layers;
+    let out = launch(2, Duration::from_secs(60), move |group| {
+        let device = Default::default();
+        let model =
+            qwen3_burn::Qwen3::<FB>::from_weights(&config, weights.as_slice(), &device).expect("weights");
+        let mesh = DeviceMesh::new_1d(group, device);
+        let fsdp = Fsdp::wrap(model, &mesh, FsdpConfig::default())?;
+        let names: Vec<String> = fsdp.units().iter().map(|u| u.name.clone()).collect();
+        let ids =
+            Tensor::<FB, 2, Int>::from_data(TensorData::new(vec![1i64, 5, 9, 2, 7, 3], [2, 3]), &device);
+        let plain = fsdp.try_forward(|m, _| m.forward(ids.clone()))?;
+        let runner = fsdp.try_forward(|m, r| m.forward_with(ids, r))?;
+        let (a, b): (Vec<f32>, Vec<f32>) =
+            (plain.into_data().to_vec().expect("f32"), runner.into_data().to_vec().expect("f32"));
+        Ok::<_, burn_fsdp::FsdpError>((names, a == b))
+    })
+    .expect("ranks");
+    for (names, same) in out {
+        assert_eq!(names.len(), layers + 1, "{names:?}");
+        assert_eq!(names[1], "model.layers.0");
+        assert!(same, "plain forward and forward_with differ");
+    }
+}
