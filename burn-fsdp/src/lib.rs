@@ -19,13 +19,13 @@
 //!   [`ProcessGroup`] and its transports ([`comm::local`] threads, [`comm::tcp`] processes,
 //!   `comm::mpi` with the `mpi` feature), the host reductions they share ([`comm::host`]) and
 //!   [`DeviceMesh`] ([`comm::mesh`]). Nothing in it imports from the files below.
-//! - [`fsdp`] — FSDP proper, on top, after PyTorch's `_fully_shard/`, one concept per file
-//!   under `src/fsdp/`: [`param`] (the sharded parameter), [`param_group`] (the parameter
+//! - FSDP proper, on top, after PyTorch's `_fully_shard/`, one concept per file
+//!   under `src/fsdp/` (each at the crate root, one path per item): [`param`] (the sharded parameter), [`param_group`] (the parameter
 //!   group), [`collectives`] and [`prefetch`] (the unit's gathers and reduce-scatters, inline or
 //!   on a communication thread), [`op`] (the autodiff hooks), [`view`] (the parameters cut out
 //!   of a gathered unit), [`offload`], [`init`] (deferred, per-shard initialisation:
 //!   [`Fsdp::wrap_deferred`]), rank 0's values broadcast at wrap, and the public API
-//!   ([`Fsdp`]). Those modules are also at the crate root (`burn_fsdp::param`, …), as before.
+//!   ([`Fsdp`]).
 //! - The model's side, used by FSDP and by models: [`runner`] and [`activation`] (the hooks a
 //!   model runs its blocks through, activation checkpointing) and [`walk`] (module paths and
 //!   parameter descriptions, shared with `tp`).
@@ -43,7 +43,7 @@ pub mod activation;
 pub mod checkpoint;
 pub mod comm;
 mod downcast;
-pub mod fsdp;
+mod fsdp;
 pub mod host_memory;
 pub mod io;
 #[cfg(feature = "learner")]
@@ -56,7 +56,7 @@ mod transpose;
 pub mod unit;
 pub mod walk;
 
-// FSDP's parts at their earlier paths (`burn_fsdp::param`, `burn_fsdp::offload`, …).
+// FSDP's parts, at the crate root (`burn_fsdp::param`, `burn_fsdp::offload`, …): their one path.
 pub use fsdp::{collectives, init, offload, op, param, param_group, prefetch, view};
 
 pub use comm::local::{LocalGroup, launch};

@@ -7,7 +7,7 @@
 //! collective and the missing rank instead of hanging.
 //!
 //! This is the crate's communication layer (PyTorch's c10d): it knows nothing of FSDP, and
-//! FSDP ([`crate::fsdp`] and the files beside it) sits on top of it.
+//! FSDP (`src/fsdp/` and the files beside it) sits on top of it.
 //!
 //! | file | what |
 //! |---|---|

@@ -12,7 +12,7 @@
 //!   that followed it in the previous backward is issued at once.
 //! - **Asynchronous reduce-scatter.** A unit's backward hands its gradient to the worker and
 //!   returns. The reduced shard gradients are collected at the end of the same backward pass
-//!   by its last step ([`Prefetcher::collect_into`], run by the node that
+//!   by its last step (`Prefetcher::collect_into`, run by the node that
 //!   [`FsdpBackend::fsdp_backward_end`](crate::FsdpBackend::fsdp_backward_end) makes, a parent
 //!   of every gather of the forward) and registered on the shards' autodiff nodes, so that
 //!   Burn's own `GradientsParams::from_grads(loss.backward(), fsdp.module())` sees them, as

@@ -212,8 +212,9 @@ enum Sink<LC: LearningComponentsTypes> {
     Render { processor: SupervisedTrainingEventProcessor<LC>, peers: Vec<Receiver<ItemOf<LC>>> },
     /// Another in-process rank: to rank 0.
     Send(Sender<ItemOf<LC>>),
-    /// Another process: nowhere.
-    Drop,
+    /// Another process: its items are not rendered; it keeps its own processor (its
+    /// `Learner` returns through it).
+    Quiet(SupervisedTrainingEventProcessor<LC>),
 }
 
 /// What one rank starts from.
@@ -287,7 +288,11 @@ where
         let result = match &self.ranks {
             Ranks::Mesh(mesh) => {
                 let rank = mesh.group_at(mesh.ndim() - 1).rank();
-                let sink = if rank == 0 { Sink::Render { processor, peers: Vec::new() } } else { Sink::Drop };
+                let sink = if rank == 0 {
+                    Sink::Render { processor, peers: Vec::new() }
+                } else {
+                    Sink::Quiet(processor)
+                };
                 let (w, r) = (mesh.size(), mesh.rank());
                 let input = RankInput { learner, train: shard(train, r, w), valid: shard(valid, r, w), sink };
                 loop_.run(mesh.clone(), input).map_err(|e| e.to_string())
@@ -489,8 +494,8 @@ impl Loop {
         // The whole model, the user's own type: every rank takes part in the gathers.
         let full = full_model(&fsdp)?;
         Ok(match sink {
-            Sink::Render { processor, .. } => Some((full, processor)),
-            _ => None,
+            Sink::Render { processor, .. } | Sink::Quiet(processor) => Some((full, processor)),
+            Sink::Send(_) => None,
         })
     }
 }
@@ -584,7 +589,7 @@ impl<LC: LearningComponentsTypes> Sink<LC> {
                 Ok(())
             }
             Sink::Send(tx) => tx.send(Item::Train(item)).map_err(|_| peer_lost(0)),
-            Sink::Drop => Ok(()),
+            Sink::Quiet(_) => Ok(()),
         }
     }
 
@@ -613,7 +618,7 @@ impl<LC: LearningComponentsTypes> Sink<LC> {
                 Ok(())
             }
             Sink::Send(tx) => tx.send(Item::Valid(item)).map_err(|_| peer_lost(0)),
-            Sink::Drop => Ok(()),
+            Sink::Quiet(_) => Ok(()),
         }
     }
 

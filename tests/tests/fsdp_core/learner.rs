@@ -443,3 +443,78 @@ fn learner_checkpoints_resume_at_another_world_size_as_one_device_resumes() {
         assert!(d <= 1e-5, "resumed at W = {world}: epoch 2 loss {got} vs one device {want} ({d:e})");
     }
 }
+
+/// Logits of `model` on the validation items.
+fn logits(model: &TextNet<IB>, items: &[Sample]) -> Vec<f32> {
+    let batch = loader::<IB>(items.to_vec(), items.len()).iter().next().expect("a batch");
+    model.forward(batch.x, batch.targets).output.into_data().to_vec().expect("f32")
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(p, q)| (p - q).abs()).fold(0.0, f32::max)
+}
+
+/// One rank per "process" (threads here, each launching its own `SupervisedTraining` with
+/// `FsdpStrategy::over_mesh`) trains what in-process ranks train, every rank returns the whole
+/// model, and global-norm clipping is applied.
+#[test]
+fn over_a_mesh_each_rank_launches_the_same_setup_and_clipping_applies() {
+    use burn_fsdp::DeviceMesh;
+    use burn_fsdp::comm::local::LocalGroup;
+    use std::time::Duration;
+    let (train, valid) = (samples(SEQ, true, 0), samples(SEQ, true, 1));
+    let model = fixed::<FB, _>(TextNet::new);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let adamw = || AdamWConfig::new().with_weight_decay(0.01);
+    let in_process = |clip: Option<f64>, name: &str| -> TextNet<IB> {
+        let mut strategy = FsdpStrategy::in_process(2, FsdpConfig::default());
+        if let Some(max) = clip {
+            strategy = strategy.clip_grad_norm(max);
+        }
+        SupervisedTraining::new(
+            dir.path().join(name),
+            loader::<FB>(train.clone(), BATCH),
+            loader::<IB>(valid.clone(), BATCH),
+        )
+        .metrics((LossMetric::new(),))
+        .with_training_strategy(strategy.into())
+        .num_epochs(1)
+        .launch(Learner::new(model.clone(), adamw().init(), 0.01))
+        .model
+    };
+    let clipped = in_process(Some(0.05), "clipped");
+    let unclipped = in_process(None, "unclipped");
+    let groups = LocalGroup::new_group(2, Duration::from_secs(120));
+    let meshed: Vec<TextNet<IB>> = std::thread::scope(|s| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .enumerate()
+            .map(|(r, group)| {
+                let (model, train, valid, dir) =
+                    (model.clone(), train.clone(), valid.clone(), dir.path().to_path_buf());
+                s.spawn(move || {
+                    let mesh = DeviceMesh::new_1d(group, Default::default());
+                    let strategy = FsdpStrategy::over_mesh(mesh, FsdpConfig::default()).clip_grad_norm(0.05);
+                    SupervisedTraining::new(
+                        dir.join(format!("rank-{r}")),
+                        loader::<FB>(train, BATCH),
+                        loader::<IB>(valid, BATCH),
+                    )
+                    .metrics((LossMetric::new(),))
+                    .with_training_strategy(strategy.into())
+                    .num_epochs(1)
+                    .launch(Learner::new(model, adamw().init(), 0.01))
+                    .model
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("rank")).collect()
+    });
+    let want = logits(&clipped, &valid);
+    for (r, m) in meshed.iter().enumerate() {
+        let d = max_diff(&logits(m, &valid), &want);
+        assert!(d <= 1e-6, "rank {r} over a mesh vs in-process: logits differ by {d:e}");
+    }
+    let d = max_diff(&logits(&unclipped, &valid), &want);
+    assert!(d > 1e-4, "clipping changed nothing ({d:e})");
+}
