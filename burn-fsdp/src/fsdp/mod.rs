@@ -3,7 +3,7 @@
 //!
 //! | file | what | FSDP2 |
 //! |---|---|---|
-//! | `api.rs` (+ `api/eval.rs`) | [`Fsdp`], [`FsdpConfig`], [`MixedPrecisionPolicy`], [`UnitPolicy`]: wrapping, forward (and [`FsdpEvalRunner`], without autodiff), gradients, clipping, the optimizer step | `fully_shard.py`, `_fsdp_state.py` |
+//! | `api.rs` | [`Fsdp`], [`FsdpConfig`], [`MixedPrecisionPolicy`], [`UnitPolicy`], [`FsdpError`]: the types and accessors; split by concern into `api/wrap.rs` (sharding a model), `api/forward.rs` (the forward and its runner), `api/step.rs` (gradients, clipping, the optimizer step), `api/state.rs` (full parameters, shard values), `api/eval.rs` ([`FsdpEvalRunner`], without autodiff) | `fully_shard.py`, `_fsdp_state.py` |
 //! | [`param`] | the sharded parameter: a rank's rows of one parameter | `_fsdp_param.py` |
 //! | [`param_group`] | the parameter group: the parameters gathered together | `_fsdp_param_group.py` |
 //! | [`collectives`] | a unit's all-gather and reduce-scatter | `_fsdp_collectives.py` |
