@@ -12,7 +12,7 @@ use crate::comm::{CollectiveFailure, ProcessGroup, ReduceOp, Tag};
 
 /// Why a unit's collective runs: used in tags and messages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Phase {
+pub(crate) enum Phase {
     /// All-gather before the unit's forward.
     ForwardGather,
     /// Re-gather in backward of a resharded unit.
@@ -33,25 +33,25 @@ impl Phase {
 
 /// Everything a unit's autodiff op needs to communicate, shared by its forward, its
 /// re-gather (retro-forward) and its backward.
-pub struct UnitComm<B: Backend> {
+pub(crate) struct UnitComm<B: Backend> {
     /// The data-parallel group the unit is sharded over.
-    pub group: Arc<dyn ProcessGroup<B>>,
+    pub(crate) group: Arc<dyn ProcessGroup<B>>,
     /// HSDP: the group of replicas, across which reduced shard gradients are averaged.
-    pub replicate: Option<Arc<dyn ProcessGroup<B>>>,
+    pub(crate) replicate: Option<Arc<dyn ProcessGroup<B>>>,
     /// Unit name (module path), for tags.
-    pub name: String,
+    pub(crate) name: String,
     /// Elements of the rank's flat shard.
-    pub shard_len: usize,
+    pub(crate) shard_len: usize,
     /// `false` while gradient sync is off (accumulation micro-batches).
-    pub sync: Arc<AtomicBool>,
+    pub(crate) sync: Arc<AtomicBool>,
     /// Unsharded gradients accumulated while sync was off.
-    pub pending: Mutex<Option<Tensor<B, 1>>>,
+    pub(crate) pending: Mutex<Option<Tensor<B, 1>>>,
     /// dtype of the all-gather (mixed precision `param_dtype`); `None` keeps the shard's.
-    pub param_dtype: Option<DType>,
+    pub(crate) param_dtype: Option<DType>,
     /// dtype of the reduce-scatter (mixed precision `reduce_dtype`); `None` keeps the grad's.
-    pub reduce_dtype: Option<DType>,
+    pub(crate) reduce_dtype: Option<DType>,
     /// The unit's index in its [`Fsdp`](crate::Fsdp) (0 = root).
-    pub index: usize,
+    pub(crate) index: usize,
     /// The nodes of the views the last forward handed to the model for this unit's parameters,
     /// where backward registers their reduced gradients too (the root unit's only).
     pub(crate) aliases: Mutex<Vec<crate::fsdp::prefetch::Alias>>,

@@ -50,9 +50,9 @@ pub const MAX_DIRECT_PARENTS: usize = 31;
 #[derive(Debug, Clone)]
 pub struct GatherComm<B: Backend> {
     /// The unit's collectives.
-    pub unit: Arc<UnitComm<B>>,
+    pub(crate) unit: Arc<UnitComm<B>>,
     /// The rank's overlap machinery, `None` for inline collectives.
-    pub prefetch: Option<Arc<Prefetcher<B>>>,
+    pub(crate) prefetch: Option<Arc<Prefetcher<B>>>,
 }
 
 impl<B: Backend> GatherComm<B> {

@@ -24,7 +24,7 @@ pub struct ParamGroup<B: Backend> {
     /// Whether gathered parameters are freed after forward and re-gathered in backward.
     pub reshard_after_forward: bool,
     /// Collectives of the unit.
-    pub comm: Arc<UnitComm<B>>,
+    pub(crate) comm: Arc<UnitComm<B>>,
 }
 
 impl<B: Backend> ParamGroup<B> {

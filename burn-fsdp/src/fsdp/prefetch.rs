@@ -2,7 +2,7 @@
 //! backward prefetch of all-gathers, and reduce-scatters that run while backward goes on.
 //!
 //! Every FSDP collective of a rank (all-gathers, re-gathers, reduce-scatters) runs on the
-//! rank's [`CommWorker`] thread, in the order it was issued — the same order on every rank,
+//! rank's `CommWorker` thread, in the order it was issued — the same order on every rank,
 //! as FSDP2's communication stream. The compute thread only waits for a result when it needs
 //! it:
 //!
@@ -43,7 +43,7 @@ use crate::fsdp::collectives::{Phase, UnitComm};
 type Job = Box<dyn FnOnce() + Send>;
 
 /// A thread that runs one rank's collectives in the order they are issued.
-pub struct CommWorker {
+pub(crate) struct CommWorker {
     tx: Mutex<Option<Sender<Job>>>,
 }
 
@@ -54,7 +54,7 @@ impl std::fmt::Debug for CommWorker {
 }
 
 /// The result of a job on a [`CommWorker`].
-pub struct Pending<T>(Receiver<std::thread::Result<T>>);
+pub(crate) struct Pending<T>(Receiver<std::thread::Result<T>>);
 
 impl<T> Pending<T> {
     /// Waits for the result; a panic of the job (a failed collective) continues here.
@@ -226,7 +226,7 @@ impl<B: Backend> Prefetcher<B> {
     }
 
     /// Registers the units' communicators (index = unit index).
-    pub fn set_units(&self, comms: &[Arc<UnitComm<B>>]) {
+    pub(crate) fn set_units(&self, comms: &[Arc<UnitComm<B>>]) {
         *self.comms.lock().unwrap_or_else(|p| p.into_inner()) = comms.iter().map(Arc::downgrade).collect();
     }
 
@@ -352,7 +352,7 @@ impl<B: Backend> Prefetcher<B> {
     }
 
     /// The forward all-gather of `unit` (see the module docs).
-    pub fn forward_gather(
+    pub(crate) fn forward_gather(
         &self,
         unit: usize,
         comm: &Arc<UnitComm<B>>,
@@ -362,7 +362,7 @@ impl<B: Backend> Prefetcher<B> {
     }
 
     /// The backward re-gather of `unit` (see the module docs).
-    pub fn backward_gather(
+    pub(crate) fn backward_gather(
         &self,
         unit: usize,
         comm: &Arc<UnitComm<B>>,
@@ -401,7 +401,11 @@ impl<B: Backend> Prefetcher<B> {
 
     /// The reduce-scatter of `unit`'s full gradient, waited for (after everything queued
     /// before it).
-    pub fn reduce_blocking(&self, comm: &Arc<UnitComm<B>>, full_grad: Tensor<B, 1>) -> Option<Tensor<B, 1>> {
+    pub(crate) fn reduce_blocking(
+        &self,
+        comm: &Arc<UnitComm<B>>,
+        full_grad: Tensor<B, 1>,
+    ) -> Option<Tensor<B, 1>> {
         let comm = comm.clone();
         let sync = comm.sync.load(Ordering::SeqCst);
         self.timed_wait(self.worker.submit(move || comm.reduce_with(full_grad, sync)))
