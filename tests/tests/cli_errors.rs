@@ -23,6 +23,15 @@ fn no_fsdp_conflicts_with_world_size() {
 }
 
 #[test]
+fn no_fsdp_refuses_a_collective_timeout() {
+    // One device runs no collective: a timeout given with --no-fsdp is a mistake, said so.
+    let e = parse_train(&["train-qwen3", "--no-fsdp", "--timeout", "5"]).unwrap_err();
+    assert!(e.contains("--timeout") && e.contains("--no-fsdp"), "{e}");
+    // Without it the default timeout does not conflict.
+    assert!(parse_train(&["train-qwen3", "--no-fsdp"]).unwrap().no_fsdp);
+}
+
+#[test]
 fn missing_checkpoint_and_batches_are_named() {
     let e = run_err(parse_train(&["train-qwen3", "--no-fsdp", "--checkpoint", "/nonexistent/ckpt"]).unwrap());
     assert!(e.contains("/nonexistent/ckpt"), "{e}");

@@ -278,3 +278,25 @@ fn resume_flag_checks() {
     let e = err("qwen3-tiny-a", &["--world-size", "2", "--resume", "/nonexistent/ckpt"]);
     assert!(e.contains("/nonexistent/ckpt"), "{e}");
 }
+
+/// `--export` puts the tokenizer beside the exported model (the input checkpoint's), so that
+/// `generate` on the export uses it rather than falling back to another one.
+#[test]
+fn export_carries_the_checkpoints_tokenizer() {
+    let dir = tempfile::tempdir().unwrap();
+    let checkpoint = dir.path().join("with-tokenizer");
+    std::fs::create_dir_all(&checkpoint).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture(&format!("qwen3-tiny-a/{f}")), checkpoint.join(f)).unwrap();
+    }
+    let tokenizer = fixture("qwen3-tokenizer/tokenizer.json");
+    std::fs::copy(&tokenizer, checkpoint.join("tokenizer.json")).unwrap();
+    let export = dir.path().join("export");
+    let mut args =
+        train_args("qwen3-tiny-a", &["--world-size", "2", "--steps", "1", "--export", &path(&export)]);
+    args.checkpoint = Some(checkpoint);
+    xtask::train::run(&args).unwrap();
+    let copied = std::fs::read(export.join("tokenizer.json")).unwrap();
+    assert_eq!(copied, std::fs::read(&tokenizer).unwrap(), "the export's tokenizer is the checkpoint's");
+    assert!(export.join("model.safetensors").is_file());
+}

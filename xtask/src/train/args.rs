@@ -180,8 +180,8 @@ pub struct TrainArgs {
     #[arg(long, value_enum, default_value_t = CpuBackend::DEFAULT)]
     pub cpu_backend: CpuBackend,
     /// Collective timeout in seconds: a rank that waits longer for its peers fails with an
-    /// error (and so does the job).
-    #[arg(long, default_value_t = 120.0)]
+    /// error (and so does the job). Meaningless on one device: refused with `--no-fsdp`.
+    #[arg(long, default_value_t = 120.0, conflicts_with = "no_fsdp")]
     pub timeout: f64,
 }
 

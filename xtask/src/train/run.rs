@@ -110,6 +110,31 @@ impl Job {
     }
 }
 
+/// Copies the tokenizer that goes with the model into the `--export` directory, so that
+/// `generate` on the export uses it: the one `--data` was tokenized with, else the input
+/// checkpoint's own `tokenizer.json` (and `tokenizer_config.json`). A model trained on
+/// synthetic data from no checkpoint has none.
+fn export_tokenizer(args: &TrainArgs, dir: &std::path::Path) -> Result<()> {
+    let source = if args.data.is_some() {
+        Some(crate::tokenizer::resolve(args.tokenizer.as_deref(), args.checkpoint.as_deref())?)
+    } else {
+        args.checkpoint.as_ref().map(|c| c.join("tokenizer.json")).filter(|p| p.is_file())
+    };
+    let Some(source) = source else { return Ok(()) };
+    let copy = |from: &std::path::Path, name: &str| -> Result<()> {
+        let to = dir.join(name);
+        std::fs::copy(from, &to).with_context(|| {
+            format!("--export: copying the tokenizer {} to {}", from.display(), to.display())
+        })?;
+        Ok(())
+    };
+    copy(&source, "tokenizer.json")?;
+    if let Some(config) = source.parent().map(|p| p.join("tokenizer_config.json")).filter(|p| p.is_file()) {
+        copy(&config, "tokenizer_config.json")?;
+    }
+    Ok(())
+}
+
 /// Runs training as the flags say and returns the per-step metrics (also written to
 /// `--metrics`, or `metrics.jsonl` in `--out-dir`, with a `summary.json` beside it).
 pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
@@ -275,6 +300,9 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
             );
         }
         return Ok(metrics);
+    }
+    if let Some(dir) = args.export.as_deref().filter(|d| d.is_dir()) {
+        export_tokenizer(args, dir)?;
     }
     // The first non-finite step (training stopped there): no comparison, and the error below
     // once summary.json and the plot of what ran are written.

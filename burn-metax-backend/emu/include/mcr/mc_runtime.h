@@ -7,7 +7,8 @@
 // defines the shared object's entry points (see the end of this file). Everything here was written
 // for this project; nothing is taken from the MACA SDK, which is not public.
 //
-// Execution model (see burn-metax-backend/src/emu/README.md for the full contract):
+// Execution model (the full contract: the module docs of burn-metax-backend/src/emu/mod.rs and
+// its `module.rs`, `stream.rs`; what it proves: docs/conformance.md):
 // - a launch runs a range of blocks, one after another, on the calling OS thread (a stream worker
 //   of the emulated device);
 // - kernels that use no barrier or wave operation run lane after lane as plain calls;
