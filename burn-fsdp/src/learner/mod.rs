@@ -419,16 +419,14 @@ impl Loop {
             let whole = records::unshard(&optims, &index)?;
             let mine = records::reslice(&whole, &index, fsdp.rank(), fsdp.world())?;
             learner.load_optim(records::from_value(mine, &device, "optimizer record")?);
-            let scheduler = records::load_all::<LearnerSchedulerRecord<LC>, LC::Backend>(
+            // The scheduler's state is the same on every rank: rank 0's.
+            let scheduler = records::load_rank::<LearnerSchedulerRecord<LC>, LC::Backend>(
                 &dir,
                 &index,
+                0,
                 "scheduler",
                 &device,
             )?;
-            let scheduler = scheduler
-                .into_iter()
-                .next()
-                .ok_or_else(|| FsdpError::Config("no scheduler record".into()))?;
             learner.load_scheduler(records::from_value(scheduler, &device, "scheduler record")?);
         }
         for epoch in self.epochs.clone() {
@@ -465,7 +463,7 @@ impl Loop {
                     fsdp.replace_module(|module| take_parameters(module, &stepped));
                 }
                 let lr = learner.lr_current();
-                sink.train(out.item, progress, &global, iteration, lr, mesh.size())?;
+                sink.item(Item::Train(out.item), progress, &global, iteration, Some(lr), mesh.size())?;
                 if self.interrupter.should_stop() {
                     break;
                 }
@@ -481,7 +479,7 @@ impl Loop {
                 iteration += 1;
                 let progress = iterator.progress();
                 let out = fsdp.forward_valid(|model, _| model.step(item))?;
-                sink.valid(out, progress, &global, iteration, mesh.size())?;
+                sink.item(Item::Valid(out), progress, &global, iteration, None, mesh.size())?;
                 if self.interrupter.should_stop() {
                     break;
                 }
@@ -563,61 +561,43 @@ impl CheckpointingStrategy for EveryEpoch {
 }
 
 impl<LC: LearningComponentsTypes> Sink<LC> {
-    fn train(
+    /// This rank's output `item` of one step (training or validation); rank 0 renders it and
+    /// the other in-process ranks' items of the same step, as progress through `world` ranks.
+    fn item(
         &mut self,
-        item: TrainOut<LC>,
+        item: ItemOf<LC>,
         progress: Progress,
         global: &Progress,
         iteration: usize,
-        lr: f64,
+        lr: Option<f64>,
         world: usize,
     ) -> Result<(), FsdpError> {
         match self {
             Sink::Render { processor, peers } => {
-                let mut emit = |item, k: usize| {
-                    let progress = global_progress(&progress, k, world);
-                    let item = TrainingItem::new(item, progress, global.clone(), Some(iteration), Some(lr));
-                    processor.process_train(LearnerEvent::ProcessedItem(item));
+                let progress = global_progress(&progress, world);
+                let training = matches!(item, Item::Train(_));
+                let mut emit = |item: ItemOf<LC>| match item {
+                    Item::Train(item) => {
+                        let item =
+                            TrainingItem::new(item, progress.clone(), global.clone(), Some(iteration), lr);
+                        processor.process_train(LearnerEvent::ProcessedItem(item));
+                    }
+                    Item::Valid(item) => {
+                        let item =
+                            TrainingItem::new(item, progress.clone(), global.clone(), Some(iteration), lr);
+                        processor.process_valid(LearnerEvent::ProcessedItem(item));
+                    }
                 };
-                emit(item, 0);
+                emit(item);
                 for (k, rx) in peers.iter().enumerate() {
                     match rx.recv() {
-                        Ok(Item::Train(item)) => emit(item, k + 1),
+                        Ok(peer) if matches!(peer, Item::Train(_)) == training => emit(peer),
                         _ => return Err(peer_lost(k + 1)),
                     }
                 }
                 Ok(())
             }
-            Sink::Send(tx) => tx.send(Item::Train(item)).map_err(|_| peer_lost(0)),
-            Sink::Quiet(_) => Ok(()),
-        }
-    }
-
-    fn valid(
-        &mut self,
-        item: ValidOut<LC>,
-        progress: Progress,
-        global: &Progress,
-        iteration: usize,
-        world: usize,
-    ) -> Result<(), FsdpError> {
-        match self {
-            Sink::Render { processor, peers } => {
-                let mut emit = |item, k: usize| {
-                    let progress = global_progress(&progress, k, world);
-                    let item = TrainingItem::new(item, progress, global.clone(), Some(iteration), None);
-                    processor.process_valid(LearnerEvent::ProcessedItem(item));
-                };
-                emit(item, 0);
-                for (k, rx) in peers.iter().enumerate() {
-                    match rx.recv() {
-                        Ok(Item::Valid(item)) => emit(item, k + 1),
-                        _ => return Err(peer_lost(k + 1)),
-                    }
-                }
-                Ok(())
-            }
-            Sink::Send(tx) => tx.send(Item::Valid(item)).map_err(|_| peer_lost(0)),
+            Sink::Send(tx) => tx.send(item).map_err(|_| peer_lost(0)),
             Sink::Quiet(_) => Ok(()),
         }
     }
@@ -636,7 +616,7 @@ impl<LC: LearningComponentsTypes> Sink<LC> {
 }
 
 /// A rank's progress through its share, as progress through all ranks' items.
-fn global_progress(local: &Progress, _rank: usize, world: usize) -> Progress {
+fn global_progress(local: &Progress, world: usize) -> Progress {
     Progress { items_processed: local.items_processed * world, items_total: local.items_total * world }
 }
 

@@ -91,17 +91,23 @@ pub(crate) fn load_all<R: Record<B>, B: Backend>(
     name: &str,
     device: &B::Device,
 ) -> Result<Vec<Value>, FsdpError> {
-    (0..index.world)
-        .map(|r| {
-            let rdir = rank_dir(dir, r, index.world);
-            let record: R =
-                FileCheckpointer::new(recorder(), &rdir, name).restore(index.epoch, device).map_err(|e| {
-                    FsdpError::Config(format!("{}: {name}-{}: {e:?}", rdir.display(), index.epoch))
-                })?;
-            serde_json::to_value(record.into_item::<FullPrecisionSettings>())
-                .map_err(|e| FsdpError::Config(format!("{}: {name}: {e}", rdir.display())))
-        })
-        .collect()
+    (0..index.world).map(|r| load_rank::<R, B>(dir, index, r, name, device)).collect()
+}
+
+/// Saved rank `r`'s record `name` of `epoch`, as a serde value.
+pub(crate) fn load_rank<R: Record<B>, B: Backend>(
+    dir: &Path,
+    index: &Index,
+    r: usize,
+    name: &str,
+    device: &B::Device,
+) -> Result<Value, FsdpError> {
+    let rdir = rank_dir(dir, r, index.world);
+    let record: R = FileCheckpointer::new(recorder(), &rdir, name)
+        .restore(index.epoch, device)
+        .map_err(|e| FsdpError::Config(format!("{}: {name}-{}: {e:?}", rdir.display(), index.epoch)))?;
+    serde_json::to_value(record.into_item::<FullPrecisionSettings>())
+        .map_err(|e| FsdpError::Config(format!("{}: {name}: {e}", rdir.display())))
 }
 
 /// A serde value back into a record.

@@ -14,15 +14,16 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
+use burn::module::{AutodiffModule, Module, Param};
 use burn::nn::Linear;
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::Backend;
 use burn::tensor::{ElementConversion, Tensor, TensorData};
-use burn_fsdp::{CollectiveKind, DeviceMesh, Fsdp, FsdpConfig, FsdpUnit, PathStack, launch};
+use burn_fsdp::{CollectiveKind, DeviceMesh, Fsdp, FsdpConfig, FsdpUnit, launch};
 use tests::max_rel_diff;
 
 use super::any_model::FB;
+use super::optimizers::parameters;
 
 type AB = burn::backend::Autodiff<burn::backend::NdArray<f32>>;
 
@@ -104,25 +105,6 @@ fn adamw() -> AdamWConfig {
     AdamWConfig::new().with_weight_decay(0.01)
 }
 
-fn values<B: Backend, M: Module<B>>(m: &M) -> HashMap<String, Vec<f64>> {
-    struct Collect(PathStack, HashMap<String, Vec<f64>>);
-    impl<B: Backend> ModuleVisitor<B> for Collect {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.0.push(name);
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.0.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let values = param.val().into_data().convert::<f64>().to_vec::<f64>().expect("f64");
-            self.1.insert(self.0.current(), values);
-        }
-    }
-    let mut c = Collect(PathStack::default(), HashMap::new());
-    m.visit(&mut c);
-    c.1
-}
-
 fn single<T: Task<AB> + AutodiffModule<AB>>() -> (Vec<f64>, HashMap<String, Vec<f64>>) {
     let device = Default::default();
     let mut model = T::new(&device);
@@ -135,7 +117,7 @@ fn single<T: Task<AB> + AutodiffModule<AB>>() -> (Vec<f64>, HashMap<String, Vec<
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(0.05, model, grads);
     }
-    (losses, values::<burn::backend::NdArray<f32>, _>(&model.valid()))
+    (losses, parameters::<burn::backend::NdArray<f32>, _>(&model.valid()))
 }
 
 #[derive(Debug, Clone, Copy)]

@@ -75,7 +75,7 @@ fn schedule() -> impl LrScheduler {
 }
 
 /// Every float parameter as `path → values`.
-fn parameters<B: Backend, M: Module<B>>(module: &M) -> HashMap<String, Vec<f64>> {
+pub(crate) fn parameters<B: Backend, M: Module<B>>(module: &M) -> HashMap<String, Vec<f64>> {
     struct Collect(PathStack, HashMap<String, Vec<f64>>);
     impl<B: Backend> ModuleVisitor<B> for Collect {
         fn enter_module(&mut self, name: &str, _: &str) {
