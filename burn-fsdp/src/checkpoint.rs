@@ -67,6 +67,13 @@ pub struct FileEntry {
     pub xxh3: Option<String>,
 }
 
+/// The steps of the complete [`Fsdp::save_records`] checkpoints in `dir`, ascending (those
+/// whose index was written; empty when `dir` does not exist). The last is the one to resume
+/// from with [`Fsdp::load_records`].
+pub fn saved_record_steps(dir: impl AsRef<Path>) -> Vec<usize> {
+    crate::records::saved(dir.as_ref(), "step")
+}
+
 /// XXH3-64 of the file at `path`, as 16 hex digits (read in 1 MiB blocks).
 pub fn file_checksum(path: &Path) -> Result<String, IoError> {
     use std::io::Read;

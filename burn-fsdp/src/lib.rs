@@ -49,6 +49,7 @@ pub mod io;
 #[cfg(feature = "learner")]
 pub mod learner;
 pub mod optim;
+mod records;
 pub mod runner;
 pub mod tp;
 #[cfg(feature = "cpu")]

@@ -13,6 +13,9 @@ mod as_written;
 mod learner;
 #[path = "fsdp_core/optimizers.rs"]
 mod optimizers;
+/// Burn records of a sharded model: checkpoints of any Burn optimizer, the whole model (#42).
+#[path = "fsdp_core/records.rs"]
+mod records;
 #[path = "fsdp_core/shared_units.rs"]
 mod shared_units;
 

@@ -30,6 +30,7 @@ use crate::walk::{deferred_shape, describe_float_tensors};
 
 mod eval;
 mod forward;
+mod records;
 mod state;
 mod step;
 mod wrap;
@@ -179,6 +180,15 @@ pub enum FsdpError {
     GradientsNotCollected {
         /// How many reduce-scatters were left.
         units: usize,
+    },
+    /// A record checkpoint ([`Fsdp::save_records`], [`Fsdp::load_records`], the Learner's) could
+    /// not be written or read: `path` names the file or directory.
+    #[error("FSDP checkpoint {}: {reason}", path.display())]
+    Checkpoint {
+        /// The file or directory.
+        path: std::path::PathBuf,
+        /// What went wrong.
+        reason: String,
     },
     /// A [`ShardInit`] could not give a parameter's rows ([`Fsdp::wrap_deferred`]).
     #[error("deferred initialisation of `{path}`: {error}")]

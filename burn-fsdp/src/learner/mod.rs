@@ -32,7 +32,8 @@
 //! With [`FsdpStrategy::checkpoints`]`(dir)`, every rank saves its learner's records after each
 //! epoch — burn-train's own `LearningCheckpointer`, so the state of any Burn optimizer (Adam,
 //! AdamW, SGD with momentum, RmsProp, …), buffers (BatchNorm's running statistics, rank 0's)
-//! and the scheduler are saved as they are — and rank 0 writes `epoch-N.json` last.
+//! and the scheduler are saved as they are — and rank 0 writes `epoch-N.json` last (the
+//! format of [`Fsdp::save_records`], per epoch).
 //! `SupervisedTraining::checkpoint(N)` resumes from it at any world size: the whole model and
 //! optimizer state are rebuilt from every saved rank's rows (each rank reads all the files:
 //! the whole state passes through each rank's memory once) and cut to the new ranks' rows.
@@ -47,8 +48,6 @@
 //!   use [`FsdpStrategy::clip_grad_norm`] (the global norm, PyTorch's `clip_grad_norm_`).
 //! - Gradient accumulation (`SupervisedTraining::grads_accumulation`) reduce-scatters every
 //!   micro-batch (same numbers as one device; no communication saved).
-
-mod records;
 
 use std::path::PathBuf;
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -75,7 +74,7 @@ use crate::comm::local::LocalGroup;
 use crate::comm::mesh::DeviceMesh;
 use crate::fsdp::{Fsdp, FsdpConfig, FsdpError};
 use crate::op::FsdpBackend;
-use crate::walk::PathStack;
+use crate::records;
 
 /// Where the ranks run.
 #[derive(Clone)]
@@ -392,42 +391,38 @@ impl Loop {
     {
         let RankInput { mut learner, train, valid, mut sink } = input;
         let device = mesh.device().clone();
-        // Resuming: the whole model first (every saved rank's rows), wrapped below as usual.
-        let resume = match (&self.checkpoints, self.resume) {
-            (Some(dir), Some(epoch)) => {
-                let index = records::read_index(dir, epoch)?;
-                let models =
-                    records::load_all::<LearnerModelRecord<LC>, LC::Backend>(dir, &index, "model", &device)?;
-                let whole = records::unshard(&models, &index)?;
-                learner.load_model(records::from_value(whole, &device, "model record")?);
-                Some((dir.clone(), index))
-            }
-            _ => None,
-        };
         // The ranks' learners are clones, whose buffers (Burn's `RunningState`) are one shared
         // object updated in place: each rank wraps a copy of its own (`from_inner(valid())`
         // makes new buffers and new leaves, with the same ids and `require_grad`).
         let own = <TrainingModel<LC> as AutodiffModule<LC::Backend>>::from_inner(learner.model().valid());
         let mut fsdp = Fsdp::wrap(own, &mesh, self.config.clone())?;
+        // Resuming: this rank's rows of the model and of the optimizer's state, whatever world
+        // size saved them (see `crate::records`).
+        let resume = match (&self.checkpoints, self.resume) {
+            (Some(dir), Some(epoch)) => {
+                let (index, ids) = fsdp.records_index(dir, "epoch", epoch)?;
+                let model = fsdp.read_mine::<LearnerModelRecord<LC>>(dir, &index, &ids, "model")?;
+                let optim = fsdp.read_mine::<LearnerOptimizerRecord<LC>>(dir, &index, &ids, "optim")?;
+                // The scheduler's state is the same on every rank: rank 0's.
+                let scheduler = records::load_rank::<LearnerSchedulerRecord<LC>, LC::Backend>(
+                    dir,
+                    &index,
+                    0,
+                    "scheduler",
+                    &device,
+                )?;
+                let scheduler = records::from_value(scheduler, &device, "the scheduler record")?;
+                fsdp.load_module_record(model);
+                Some((optim, scheduler))
+            }
+            _ => None,
+        };
         // The learner's optimizer steps the shards: its model holds them. Only its parameters
         // are read back (`take_parameters`); the forward runs on FSDP's module and its buffers.
         learner.load_model(fsdp.module().clone().into_record());
-        if let Some((dir, index)) = resume {
-            // This rank's rows of the optimizer's state, whatever world size saved them.
-            let optims =
-                records::load_all::<LearnerOptimizerRecord<LC>, LC::Backend>(&dir, &index, "optim", &device)?;
-            let whole = records::unshard(&optims, &index)?;
-            let mine = records::reslice(&whole, &index, fsdp.rank(), fsdp.world())?;
-            learner.load_optim(records::from_value(mine, &device, "optimizer record")?);
-            // The scheduler's state is the same on every rank: rank 0's.
-            let scheduler = records::load_rank::<LearnerSchedulerRecord<LC>, LC::Backend>(
-                &dir,
-                &index,
-                0,
-                "scheduler",
-                &device,
-            )?;
-            learner.load_scheduler(records::from_value(scheduler, &device, "scheduler record")?);
+        if let Some((optim, scheduler)) = resume {
+            learner.load_optim(optim);
+            learner.load_scheduler(scheduler);
         }
         for epoch in self.epochs.clone() {
             let global = Progress { items_processed: epoch, items_total: *self.epochs.end() };
@@ -490,7 +485,7 @@ impl Loop {
             }
         }
         // The whole model, the user's own type: every rank takes part in the gathers.
-        let full = full_model(&fsdp)?;
+        let full = fsdp.full_module()?;
         Ok(match sink {
             Sink::Render { processor, .. } | Sink::Quiet(processor) => Some((full, processor)),
             Sink::Send(_) => None,
@@ -499,7 +494,7 @@ impl Loop {
 }
 
 impl Loop {
-    /// Saves this rank's learner records of `epoch` (see `records.rs`); rank 0 writes the
+    /// Saves this rank's learner records of `epoch` (see `crate::records`); rank 0 writes the
     /// index once every rank's files are in place.
     fn save<LC>(
         &self,
@@ -512,21 +507,14 @@ impl Loop {
         LC: LearningComponentsTypes,
         LC::Backend: FsdpBackend,
     {
-        let (rank, world) = (fsdp.rank(), fsdp.world());
-        let writer = fsdp.replicate_rank() == 0;
-        if rank == 0 && writer {
-            // Never leave an index that validates files about to change.
-            let _ = std::fs::remove_file(records::index_path(dir, epoch));
+        if fsdp.rank() == 0 && fsdp.replicate_rank() == 0 {
             // The model record carries the buffers: rank 0's own (the learners' clones share
             // one buffer object, which only rank 0 writes).
             learner.load_model(fsdp.module().clone().into_record());
         }
-        fsdp.barrier_all("learner-checkpoint:begin");
-        if writer {
-            let rdir = records::rank_dir(dir, rank, world);
-            std::fs::create_dir_all(&rdir)
-                .map_err(|e| FsdpError::Config(format!("{}: {e}", rdir.display())))?;
-            let file = |name: &str| FileCheckpointer::new(records::recorder(), &rdir, name);
+        fsdp.commit_records(dir, "epoch", epoch, |rank_dir| {
+            std::fs::create_dir_all(rank_dir).map_err(|e| records::err(rank_dir, e))?;
+            let file = |name: &str| FileCheckpointer::new(records::recorder(), rank_dir, name);
             // Dropping the checkpointer waits for its files.
             LearningCheckpointer::<LC>::new(
                 AsyncCheckpointer::new(file("model")),
@@ -535,19 +523,15 @@ impl Loop {
                 Box::new(EveryEpoch),
             )
             .checkpoint(learner, epoch, &self.store);
-        }
-        fsdp.barrier_all("learner-checkpoint:files-written");
-        if rank == 0 && writer {
-            let params = fsdp
-                .units()
-                .iter()
-                .flat_map(|u| u.params.iter())
-                .map(|p| (p.id.serialize(), p.path.clone(), p.global_shape.clone()))
-                .collect();
-            records::write_index(dir, &records::Index { epoch, world, params })?;
-        }
-        fsdp.barrier_all("learner-checkpoint:done");
-        Ok(())
+            // burn-train's checkpointer logs a failure and goes on: check that the files exist.
+            for name in ["model", "optim", "scheduler"] {
+                let path = records::record_path(rank_dir, name, epoch).with_extension("mpk");
+                if !path.is_file() {
+                    return Err(records::err(&path, "burn-train's checkpointer did not write it"));
+                }
+            }
+            Ok(())
+        })
     }
 }
 
@@ -659,34 +643,4 @@ fn take_parameters<B: Backend, M: Module<B>>(into: M, from: &M) -> M {
     let mut collect = Collect(std::collections::HashMap::new());
     from.visit(&mut collect);
     into.map(&mut Take(collect.0))
-}
-
-/// The whole model gathered from the shards: each parameter full, buffers as rank 0 has them.
-fn full_model<B: FsdpBackend, M: AutodiffModule<B>>(fsdp: &Fsdp<B, M>) -> Result<M, FsdpError> {
-    let full = fsdp.full_parameters()?;
-    let by_path: std::collections::HashMap<String, (Vec<usize>, burn::tensor::TensorData)> =
-        full.into_iter().map(|(path, shape, data)| (path, (shape, data))).collect();
-    struct Load<'a, B: Backend> {
-        path: PathStack,
-        full: &'a std::collections::HashMap<String, (Vec<usize>, burn::tensor::TensorData)>,
-        device: B::Device,
-    }
-    impl<B: Backend> ModuleMapper<B> for Load<'_, B> {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.path.push(name);
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.path.pop();
-        }
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-            let Some((shape, data)) = self.full.get(&self.path.current()) else { return param };
-            let (id, tensor, mapper) = param.consume();
-            let grad = tensor.is_require_grad();
-            let flat = Tensor::<B, 1>::from_data(data.clone(), &self.device).cast(tensor.dtype());
-            let t: Tensor<B, D> = flat.reshape(burn::tensor::Shape::from(shape.clone()));
-            Param::from_mapped_value(id, if grad { t.require_grad() } else { t }, mapper)
-        }
-    }
-    let device = fsdp.module().devices().first().cloned().unwrap_or_default();
-    Ok(fsdp.module().clone().map(&mut Load::<B> { path: PathStack::default(), full: &by_path, device }))
 }
