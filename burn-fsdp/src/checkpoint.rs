@@ -361,7 +361,12 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     /// Saves this rank's shards and `optim`'s state into `dir` (every rank calls this).
     ///
     /// `step` is the index of the next training step; `model_config` is stored and compared
-    /// when loading. Rank 0 writes the index last, once every rank's file is in place.
+    /// when loading. Rank 0 writes the index last, once every rank's file is in place. On a
+    /// mesh carrying tensor parallelism
+    /// ([`DeviceMesh::with_tensor_parallel`](crate::DeviceMesh::with_tensor_parallel)) the
+    /// files hold whole (unsplit) parameters, as a 1D run of world size dp writes them:
+    /// every parameter and its state are all-gathered over dp and tp first (each rank
+    /// briefly holds the full model and optimizer state), and the tp-rank-0 ranks write.
     pub fn save_sharded(
         &self,
         dir: impl AsRef<Path>,
@@ -369,6 +374,9 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         step: u64,
         model_config: &serde_json::Value,
     ) -> Result<(), CheckpointError> {
+        if let Some(tp) = self.mesh().tensor_parallel().cloned() {
+            return self.save_sharded_tp(dir, optim, step, model_config, &tp);
+        }
         self.refuse_replicated(dir.as_ref())?;
         self.quiesce();
         let dir = dir.as_ref();
@@ -440,7 +448,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     ///
     /// Every parameter and its AdamW state are all-gathered over dp and tp first (so each rank
     /// briefly holds the full model and optimizer state); the tp-rank-0 ranks write.
-    pub fn save_sharded_tp(
+    fn save_sharded_tp(
         &self,
         dir: impl AsRef<Path>,
         optim: &TorchAdamW<B::InnerBackend>,
@@ -540,6 +548,12 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
 
     /// Loads a checkpoint saved at any world size into this rank's shards and `optim`.
     ///
+    /// On a mesh carrying tensor parallelism
+    /// ([`DeviceMesh::with_tensor_parallel`](crate::DeviceMesh::with_tensor_parallel)), every
+    /// parameter is checked against its global (unsplit) shape and this rank loads its tp
+    /// slice, then its dp shard of that. Any checkpoint loads on any mesh: files always hold
+    /// whole (unsplit) parameters.
+    ///
     /// Fails (changing nothing) when the model config, parameter names or shapes differ, or a
     /// file is missing, truncated or inconsistent with the index. Returns the index.
     pub fn load_sharded(
@@ -548,20 +562,8 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         optim: &mut TorchAdamW<B::InnerBackend>,
         model_config: &serde_json::Value,
     ) -> Result<CheckpointIndex, CheckpointError> {
-        self.load_sharded_with(dir, optim, model_config, None)
-    }
-
-    /// [`load_sharded`](Self::load_sharded) into a tensor-parallel model: with `tp`, every
-    /// parameter is checked against its global (unsplit) shape and this rank loads its tp
-    /// slice, then its dp shard of that. Any checkpoint loads on any mesh: files always hold
-    /// whole (unsplit) parameters.
-    pub fn load_sharded_with(
-        &mut self,
-        dir: impl AsRef<Path>,
-        optim: &mut TorchAdamW<B::InnerBackend>,
-        model_config: &serde_json::Value,
-        tp: Option<&TensorParallel<B::InnerBackend>>,
-    ) -> Result<CheckpointIndex, CheckpointError> {
+        let tp = self.mesh().tensor_parallel().cloned();
+        let tp = tp.as_deref();
         let reader = CheckpointReader::open(dir.as_ref())?;
         let index_path = reader.dir().join(INDEX_FILE);
         let index = reader.index().clone();

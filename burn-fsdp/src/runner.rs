@@ -42,7 +42,7 @@ pub trait UnitRunner<B: Backend> {
     /// [`run`](Self::run) for a block whose forward can run again: `f` changes nothing
     /// between runs and owns what it uses besides `unit` and `x`. A runner may then keep only
     /// `x` through forward and run `f` again in backward (activation checkpointing,
-    /// [`crate::activation`]); the default runs it once, as [`run`](Self::run).
+    /// [`crate::activation_checkpointing`]); the default runs it once, as [`run`](Self::run).
     fn run_recomputable<M: Module<B> + 'static, const D: usize>(
         &mut self,
         unit: &M,
@@ -74,29 +74,3 @@ impl<B: Backend> UnitRunner<B> for Direct {
         })
     }
 }
-
-/// Hooks a model calls at the inputs and outputs of its submodules, named by module path
-/// relative to the unit (e.g. `self_attn`, `mlp`) — Burn's counterpart of PyTorch's module
-/// forward hooks, through which tensor parallelism inserts its collectives without the model
-/// knowing (see [`crate::tp`]).
-///
-/// # Shapes
-/// - activations: `[batch, seq, hidden]`
-pub trait ModuleHooks<B: Backend> {
-    /// Called with the input of submodule `path`; returns what the submodule sees.
-    fn input(&self, path: &str, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let _ = path;
-        x
-    }
-    /// Called with the output of submodule `path`; returns what the model continues with.
-    fn output(&self, path: &str, y: Tensor<B, 3>) -> Tensor<B, 3> {
-        let _ = path;
-        y
-    }
-}
-
-/// No hooks: every input and output passes unchanged.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct NoHooks;
-
-impl<B: Backend> ModuleHooks<B> for NoHooks {}

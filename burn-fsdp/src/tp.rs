@@ -37,7 +37,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Shape, Tensor, TensorMetadata, TensorPrimitive};
 
 use crate::comm::{CommError, ProcessGroup, ReduceOp, Tag};
-use crate::runner::ModuleHooks;
+use crate::hooks::ModuleHooks;
 use crate::walk::describe_params;
 
 /// How one parameter is laid out across the tp group.

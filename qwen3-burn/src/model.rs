@@ -20,7 +20,8 @@ use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
 use burn_fsdp::FsdpUnit;
-use burn_fsdp::runner::{Direct, ModuleHooks, NoHooks, UnitRunner};
+use burn_fsdp::hooks::{ModuleHooks, NoHooks};
+use burn_fsdp::runner::{Direct, UnitRunner};
 
 use crate::config::Qwen3Config;
 use crate::init::{INIT_STD, Qwen3Init};

@@ -265,7 +265,9 @@ fn activation_checkpointing_keeps_only_layer_inputs() {
     let kept_plain = tests::alloc::live() - base;
     let plain = GradientsParams::from_grads(loss.backward(), &model);
     let base = tests::alloc::live();
-    let run = burn_fsdp::activation::checkpointed(|r| loss_of(&model, model.hidden_with(inputs.clone(), r)));
+    let run = burn_fsdp::activation_checkpointing::checkpointed(|r| {
+        loss_of(&model, model.hidden_with(inputs.clone(), r))
+    });
     let kept_ac = tests::alloc::live() - base;
     assert_eq!(run.num_checkpointed(), config.num_hidden_layers);
     let ac = run.gradients(&model);

@@ -10,7 +10,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 
-use crate::activation::{CheckpointRunner, Checkpointed, add_grads};
+use crate::activation_checkpointing::{CheckpointRunner, Checkpointed, add_grads};
 use crate::comm::mesh::DeviceMesh;
 use crate::comm::{CommError, CommStats, ProcessGroup, ReduceOp, Tag};
 use crate::fsdp::collectives::UnitComm;

@@ -12,7 +12,7 @@
 //! | [`view`] | each parameter cut out of a gathered unit | (`_fsdp_param.py` views) |
 //! | [`offload`] | shards, gradients and AdamW state on the host | `CPUOffloadPolicy` |
 //! | [`init`] | deferred, per-shard initialisation ([`Fsdp::wrap_deferred`]) | meta-device init |
-//! | `replicas.rs` | rank 0's values broadcast at wrap | `_init_sharded_param` |
+//! | `rank0_broadcast.rs` | rank 0's values broadcast at wrap | `_init_sharded_param` |
 //! | `scope.rs` | how a block marked [`FsdpUnit`](crate::FsdpUnit) finds the forward of its thread | (module hooks) |
 //!
 //! None of these files imports another in a circle, and none of them is imported by
@@ -26,7 +26,7 @@ pub mod op;
 pub mod param;
 pub mod param_group;
 pub mod prefetch;
-pub(crate) mod replicas;
+pub(crate) mod rank0_broadcast;
 pub(crate) mod scope;
 pub mod view;
 

@@ -10,7 +10,7 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::Backend;
 use burn::tensor::{ElementConversion, Int, Tensor};
-use burn_fsdp::activation::checkpointed;
+use burn_fsdp::activation_checkpointing::checkpointed;
 use burn_fsdp::prefetch::PrefetchStats;
 use burn_fsdp::tp::TensorParallel;
 use burn_fsdp::{
@@ -45,7 +45,7 @@ pub(super) enum Engine<B: Backend, C: CheckpointStrategy> {
 
 pub(super) struct Sharded<B: Backend, C: CheckpointStrategy> {
     fsdp: Fsdp<Ad<B, C>, Qwen3<Ad<B, C>>>,
-    tp: Option<TensorParallel<B>>,
+    tp: Option<std::sync::Arc<TensorParallel<B>>>,
     topology: Topology,
     outer: Arc<dyn ProcessGroup<B>>,
     inner: Option<Arc<dyn ProcessGroup<B>>>,
@@ -85,8 +85,10 @@ impl<B: Backend, C: CheckpointStrategy> Engine<B, C> {
                 let replica = weights.model::<Ad<B, C>>(config, &device)?;
                 let (m, plan) =
                     TensorParallel::apply(replica, tp_group.clone(), crate::parallelize::tp_plan(config))?;
-                tp = Some(plan);
-                Fsdp::wrap(m, &DeviceMesh::new_1d(outer.clone(), device.clone()), options.fsdp.clone())?
+                let plan = std::sync::Arc::new(plan);
+                tp = Some(plan.clone());
+                let mesh = DeviceMesh::new_1d(outer.clone(), device.clone()).with_tensor_parallel(plan);
+                Fsdp::wrap(m, &mesh, options.fsdp.clone())?
             }
             (topology, inner) => {
                 let mesh = match (topology, inner) {
@@ -191,13 +193,10 @@ impl<B: Backend, C: CheckpointStrategy> Engine<B, C> {
             Self::Sharded(s) => {
                 let mut grads =
                     s.grads.take().ok_or_else(|| TrainError::Invalid("no micro-batch ran".into()))?;
-                let norm = match &s.tp {
-                    Some(tp) => {
-                        tp.reduce_partial_grads::<Ad<B, C>, _>(s.fsdp.module(), &mut grads)?;
-                        s.fsdp.clip_grad_norm_tp(&mut grads, max_norm, tp)?
-                    }
-                    None => s.fsdp.clip_grad_norm(&mut grads, max_norm)?,
-                };
+                if let Some(tp) = &s.tp {
+                    tp.reduce_partial_grads::<Ad<B, C>, _>(s.fsdp.module(), &mut grads)?;
+                }
+                let norm = s.fsdp.clip_grad_norm(&mut grads, max_norm)?;
                 Ok((grads, norm))
             }
         }
@@ -282,9 +281,7 @@ impl<B: Backend, C: CheckpointStrategy> Engine<B, C> {
     ) -> Result<usize, TrainError> {
         match self {
             Self::Single { .. } => Err(sharded_only("resuming")),
-            Self::Sharded(s) => {
-                Ok(s.fsdp.load_sharded_with(dir, optim, model_config, s.tp.as_ref())?.step as usize)
-            }
+            Self::Sharded(s) => Ok(s.fsdp.load_sharded(dir, optim, model_config)?.step as usize),
         }
     }
 
@@ -297,11 +294,7 @@ impl<B: Backend, C: CheckpointStrategy> Engine<B, C> {
         model_config: &serde_json::Value,
     ) -> Result<(), TrainError> {
         let Self::Sharded(s) = self else { return Err(sharded_only("saving sharded checkpoints")) };
-        match &s.tp {
-            Some(tp) => s.fsdp.save_sharded_tp(dir, optim, steps_done as u64, model_config, tp)?,
-            None => s.fsdp.save_sharded(dir, optim, steps_done as u64, model_config)?,
-        }
-        Ok(())
+        Ok(s.fsdp.save_sharded(dir, optim, steps_done as u64, model_config)?)
     }
 
     /// Writes the whole model as an HF checkpoint into `dir` (every rank gathers; rank 0
@@ -310,10 +303,7 @@ impl<B: Backend, C: CheckpointStrategy> Engine<B, C> {
         match self {
             Self::Single { model, .. } => Ok(model.save(config, dir)?),
             Self::Sharded(s) => {
-                let params = match &s.tp {
-                    Some(tp) => s.fsdp.full_parameters_tp(tp)?,
-                    None => s.fsdp.full_parameters()?,
-                };
+                let params = s.fsdp.full_parameters()?;
                 if write {
                     super::run::export_hf(config, params, dir)?;
                 }

@@ -214,7 +214,7 @@ fn activation_peak(config: &Qwen3Config, seq: usize, paths: ActivationPaths) -> 
             drop(chunked_cross_entropy(hidden, model.head_weight(), labels, chunk).backward())
         }
         ActivationPaths::ChunkedLossAndCheckpointing => {
-            let run = burn_fsdp::activation::checkpointed(|r| {
+            let run = burn_fsdp::activation_checkpointing::checkpointed(|r| {
                 chunked_cross_entropy(model.hidden_with(inputs, r), model.head_weight(), labels, chunk)
             });
             drop(run.backward())

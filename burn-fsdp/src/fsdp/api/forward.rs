@@ -71,7 +71,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     }
 
     /// [`forward`](Self::forward) with block-level activation checkpointing
-    /// ([`crate::activation`]): blocks the model runs through
+    /// ([`crate::activation_checkpointing`]): blocks the model runs through
     /// [`UnitRunner::run_recomputable`] keep only their input through forward and run again
     /// (with a fresh all-gather) in [`backward_checkpointed`](Self::backward_checkpointed).
     /// `f` returns the loss. The root unit's gathered parameters are handed to the model as
@@ -299,7 +299,7 @@ pub struct FsdpRunner<'a, B: FsdpBackend, M: Module<B>> {
     /// Which units went through [`UnitRunner::run`] (or [`FsdpUnit::run`](crate::FsdpUnit::run))
     /// in this forward; shared with the runner installed for the forward's thread.
     ran: Arc<Mutex<Vec<bool>>>,
-    /// Runs blocks again in a checkpointed backward ([`crate::activation`]).
+    /// Runs blocks again in a checkpointed backward ([`crate::activation_checkpointing`]).
     rerun: bool,
     /// The node that collects this forward's reduce-scatters in backward
     /// ([`FsdpBackend::fsdp_backward_end`]).

@@ -21,8 +21,8 @@ impl<B: FsdpBackend, M: AutodiffModule<B>> Fsdp<B, M> {
     /// own recorder — FSDP2's `get_model_state_dict(full_state_dict=True)`.
     ///
     /// Memory: the whole model, once per rank, on the mesh device. A tensor-parallel model's
-    /// parameters stay this rank's tp slices (reassemble them with
-    /// [`full_parameters_tp`](Self::full_parameters_tp)).
+    /// parameters stay this rank's tp slices, as its module holds them
+    /// ([`full_parameters`](Self::full_parameters) reassembles them).
     ///
     /// # Example
     /// ```ignore
@@ -34,8 +34,11 @@ impl<B: FsdpBackend, M: AutodiffModule<B>> Fsdp<B, M> {
     /// let model = MyModelConfig::new().init(&device).load_file("model", &recorder, &device)?;
     /// ```
     pub fn full_module(&self) -> Result<M, FsdpError> {
-        let full: HashMap<String, (Vec<usize>, TensorData)> =
-            self.full_parameters()?.into_iter().map(|(path, shape, data)| (path, (shape, data))).collect();
+        let full: HashMap<String, (Vec<usize>, TensorData)> = self
+            .full_local_parameters()?
+            .into_iter()
+            .map(|(path, shape, data)| (path, (shape, data)))
+            .collect();
         struct Load<'a, B: Backend> {
             path: PathStack,
             full: &'a HashMap<String, (Vec<usize>, TensorData)>,

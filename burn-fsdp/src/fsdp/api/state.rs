@@ -3,14 +3,20 @@
 use super::*;
 
 impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
-    /// [`full_parameters`](Self::full_parameters) of a tensor-parallel model: each parameter
-    /// also reassembled from its tp slices (every rank of the mesh must call this).
-    pub fn full_parameters_tp(
-        &self,
-        tp: &crate::tp::TensorParallel<B::InnerBackend>,
-    ) -> Result<Vec<(String, Vec<usize>, TensorData)>, FsdpError> {
+    /// The host store of an offloaded FSDP (`None` without offload).
+    pub fn host_store(&self) -> Option<&HostStore> {
+        self.host.as_deref()
+    }
+
+    /// Every unsharded parameter as `(path, shape, values)`, gathered from all ranks (every
+    /// rank must call this; each gets the full list). For export and checks. On a mesh
+    /// carrying tensor parallelism ([`DeviceMesh::with_tensor_parallel`]), each parameter is
+    /// also reassembled from its tp slices (every rank of the dp × tp mesh must call this).
+    pub fn full_parameters(&self) -> Result<Vec<(String, Vec<usize>, TensorData)>, FsdpError> {
+        let local = self.full_local_parameters()?;
+        let Some(tp) = self.mesh.tensor_parallel() else { return Ok(local) };
         let device = self.mesh.device().clone();
-        self.full_parameters()?
+        local
             .into_iter()
             .map(|(name, shape, data)| {
                 let v = data.convert::<f32>().to_vec::<f32>().unwrap_or_default();
@@ -21,14 +27,8 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
             .collect()
     }
 
-    /// The host store of an offloaded FSDP (`None` without offload).
-    pub fn host_store(&self) -> Option<&HostStore> {
-        self.host.as_deref()
-    }
-
-    /// Every unsharded parameter as `(path, shape, values)`, gathered from all ranks (every
-    /// rank must call this; each gets the full list). For export and checks.
-    pub fn full_parameters(&self) -> Result<Vec<(String, Vec<usize>, TensorData)>, FsdpError> {
+    /// [`full_parameters`](Self::full_parameters) of this tp rank's slices.
+    pub(crate) fn full_local_parameters(&self) -> Result<Vec<(String, Vec<usize>, TensorData)>, FsdpError> {
         self.quiesce();
         let shards = self.shard_values();
         let group = self.shard_group();

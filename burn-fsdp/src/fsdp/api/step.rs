@@ -115,11 +115,16 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     }
 
     /// Global L2 norm of all gradients over all ranks (one all-reduce), clipping them to
-    /// `max_norm` as `clip_grad_norm_` does (`max_norm` ≤ 0 or infinite only measures).
+    /// `max_norm` as `clip_grad_norm_` does (`max_norm` ≤ 0 or infinite only measures). On a
+    /// mesh carrying tensor parallelism ([`DeviceMesh::with_tensor_parallel`]) the norm is that
+    /// of the whole model, over dp and tp.
     pub fn clip_grad_norm(&self, grads: &mut GradientsParams, max_norm: f64) -> Result<f64, FsdpError>
     where
         M: AutodiffModule<B>,
     {
+        if let Some(tp) = self.mesh.tensor_parallel() {
+            return self.clip_grad_norm_tp(grads, max_norm, tp);
+        }
         self.quiesce();
         let local = match &self.host {
             Some(host) => host.grad_sq_sum(),
@@ -158,7 +163,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     /// FSDP shards tp-local parameters over the data-parallel group: one all-reduce over dp
     /// of the squared sums of split and of replicated parameters, one over tp of the split
     /// part (replicated parameters have identical gradients on every tp rank and count once).
-    pub fn clip_grad_norm_tp(
+    fn clip_grad_norm_tp(
         &self,
         grads: &mut GradientsParams,
         max_norm: f64,

@@ -125,7 +125,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         let model = {
             let mut groups = vec![&group];
             groups.extend(replicate.as_ref());
-            crate::fsdp::replicas::from_rank0::<B, M>(model, &groups, deferred)?
+            crate::fsdp::rank0_broadcast::from_rank0::<B, M>(model, &groups, deferred)?
         };
         // FSDP2 shards parameters, never buffers: tensors that do not require grad (Burn's
         // `RunningState` buffers such as BatchNorm's running statistics, and frozen parameters)

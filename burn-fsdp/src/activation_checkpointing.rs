@@ -26,7 +26,7 @@
 //! use burn::nn::{Linear, LinearConfig};
 //! use burn::tensor::Tensor;
 //! use burn_fsdp::UnitRunner;
-//! use burn_fsdp::activation::checkpointed;
+//! use burn_fsdp::activation_checkpointing::checkpointed;
 //!
 //! type B = Autodiff<NdArray>;
 //! let device = Default::default();
