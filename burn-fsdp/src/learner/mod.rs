@@ -23,7 +23,9 @@
 //!   optimizer step on the shards (Burn's optimizers are element-wise: a shard's step is the
 //!   full step's rows), and `InferenceStep::step` inside [`Fsdp::forward_valid`];
 //! - rank 0 renders the metrics of every rank's items (in-process ranks send theirs to rank 0):
-//!   the metric values are those of the global batch, as one device would log them.
+//!   the metric values are those of the global batch, as one device would log them. Over a
+//!   mesh of processes rank 0 renders its own items' metrics (burn-train's items are tensors
+//!   of the user's types, which have no wire format): values of its `1/W` of each batch.
 //!
 //! The trained model the `Learner` returns is whole (gathered from the shards), the user's own
 //! model type: `model.save_file(…)` writes a Burn record that single-device code loads.

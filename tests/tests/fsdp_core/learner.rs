@@ -15,6 +15,7 @@
 
 use std::path::Path;
 
+use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
 use burn::data::dataset::InMemDataset;
@@ -30,7 +31,7 @@ use burn::optim::{AdamWConfig, SgdConfig};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_fsdp::learner::FsdpStrategy;
-use burn_fsdp::{FsdpConfig, FsdpUnit};
+use burn_fsdp::{FsdpBackend, FsdpConfig, FsdpUnit};
 use burn_train::metric::LossMetric;
 use burn_train::{
     ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
@@ -303,17 +304,28 @@ fn conv_batchnorm_learner_over_fsdp_logs_the_losses_of_one_device() {
 
 #[test]
 fn transformer_text_classifier_learner_over_fsdp_logs_the_losses_of_one_device() {
+    transformer_on::<FB>("NdArray", &[1, 2, 3]);
+}
+
+/// What users get by default: Burn's Flex CPU backend.
+#[test]
+fn transformer_text_classifier_learner_on_flex_the_default_backend() {
+    type A = burn::backend::Autodiff<burn::backend::Flex, BalancedCheckpointing>;
+    transformer_on::<A>("Flex", &[2, 3]);
+}
+
+fn transformer_on<A: FsdpBackend>(backend: &str, worlds: &[usize]) {
     let (train, valid) = (samples(SEQ, true, 0), samples(SEQ, true, 1));
-    for world in [1, 2, 3] {
+    for &world in worlds {
         let dir = tempfile::tempdir().expect("tempdir");
         let adamw = || AdamWConfig::new().with_weight_decay(0.01);
         let lr = 0.01;
-        let model = fixed::<FB, _>(TextNet::new);
+        let model = fixed::<A, _>(TextNet::new);
         let one = dir.path().join("one");
         let single = SupervisedTraining::new(
             &one,
-            loader::<FB>(interleaved(&train, world), BATCH * world),
-            loader::<IB>(interleaved(&valid, world), BATCH * world),
+            loader::<A>(interleaved(&train, world), BATCH * world),
+            loader::<A::InnerBackend>(interleaved(&valid, world), BATCH * world),
         )
         .metrics((LossMetric::new(),))
         .num_epochs(EPOCHS)
@@ -322,8 +334,8 @@ fn transformer_text_classifier_learner_over_fsdp_logs_the_losses_of_one_device()
         let strategy: TrainingStrategy<_> = FsdpStrategy::in_process(world, FsdpConfig::default()).into();
         let result = SupervisedTraining::new(
             &fsdp,
-            loader::<FB>(train.clone(), BATCH),
-            loader::<IB>(valid.clone(), BATCH),
+            loader::<A>(train.clone(), BATCH),
+            loader::<A::InnerBackend>(valid.clone(), BATCH),
         )
         .metrics((LossMetric::new(),))
         .with_training_strategy(strategy)
@@ -331,19 +343,19 @@ fn transformer_text_classifier_learner_over_fsdp_logs_the_losses_of_one_device()
         .launch(Learner::new(model, adamw().init(), lr));
         for split in ["train", "valid"] {
             close(
-                &format!("transformer W = {world}, {split}"),
+                &format!("transformer on {backend}, W = {world}, {split}"),
                 &epoch_means(&fsdp, split, "Loss"),
                 &epoch_means(&one, split, "Loss"),
             );
         }
         // The trained models agree too (the returned one is whole).
-        let (a, b) = (result.model, single.model);
-        let x = loader::<IB>(valid.clone(), ITEMS).iter().next().expect("a batch");
+        let (a, b): (TextNet<A::InnerBackend>, TextNet<A::InnerBackend>) = (result.model, single.model);
+        let x = loader::<A::InnerBackend>(valid.clone(), ITEMS).iter().next().expect("a batch");
         let (ya, yb) = (a.forward(x.x.clone(), x.targets.clone()), b.forward(x.x, x.targets));
         let (ya, yb): (Vec<f32>, Vec<f32>) =
             (ya.output.into_data().to_vec().expect("f32"), yb.output.into_data().to_vec().expect("f32"));
         let d = ya.iter().zip(&yb).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max);
-        assert!(d <= 1e-4, "W = {world}: the trained models' logits differ by {d:e}");
+        assert!(d <= 1e-4, "{backend}, W = {world}: the trained models' logits differ by {d:e}");
     }
 }
 
