@@ -297,3 +297,58 @@ fn activation_checkpointing_keeps_only_layer_inputs() {
     model.visit(&mut cmp);
     assert!(cmp.2 > 0);
 }
+
+/// Burn's `XConfig::init` makes every parameter lazy; `Fsdp::wrap` materialises them one at a
+/// time, broadcasting rank 0's value and cutting this rank's rows before the next: the live
+/// bytes during the wrap never exceed each rank's shards plus a few full parameters (the
+/// value, its broadcast copy, the rows cut out). Materialising the model first — what the
+/// wrap did before — holds the whole model on every rank: `LAYERS` full parameters each.
+#[test]
+fn wrapping_a_model_fresh_from_config_init_holds_one_full_parameter_at_a_time() {
+    use burn::nn::{Linear, LinearConfig};
+    const LAYERS: usize = 16;
+    const WIDTH: usize = 256;
+    const WORLD: usize = 4;
+    #[derive(Module, Debug)]
+    struct Stack<B: burn::tensor::backend::Backend> {
+        layers: Vec<Linear<B>>,
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let param = (WIDTH * WIDTH * 4) as isize;
+    let probes = burn_fsdp::LocalGroup::new_group(WORLD, Duration::from_secs(60));
+    let baseline = Mutex::new(0isize);
+    let peaks = launch(WORLD, Duration::from_secs(60), |fsdp_group| {
+        let group = probes[fsdp_group.rank()].clone();
+        let device = Default::default();
+        let model = Stack::<FB> {
+            layers: (0..LAYERS)
+                .map(|_| LinearConfig::new(WIDTH, WIDTH).with_bias(false).init(&device))
+                .collect(),
+        };
+        let mesh = DeviceMesh::new_1d(fsdp_group, device);
+        burn_fsdp::ProcessGroup::<NdArray<f32>>::barrier(&*group, &"built".into())?;
+        if group.rank() == 0 {
+            *baseline.lock().unwrap() = tests::alloc::live();
+            tests::alloc::reset_peak();
+        }
+        burn_fsdp::ProcessGroup::<NdArray<f32>>::barrier(&*group, &"measure".into())?;
+        let fsdp = Fsdp::wrap(model, &mesh, FsdpConfig { prefetch: false, ..FsdpConfig::default() })?;
+        burn_fsdp::ProcessGroup::<NdArray<f32>>::barrier(&*group, &"wrapped".into())?;
+        let peak = tests::alloc::peak();
+        let shard_bytes = 4 * fsdp.units().iter().map(|u| u.numel()).sum::<usize>() as isize / WORLD as isize;
+        Ok::<_, burn_fsdp::FsdpError>((peak, shard_bytes))
+    })
+    .unwrap();
+    let (peak, shard_bytes) = peaks[0];
+    let grew = peak - *baseline.lock().unwrap();
+    let whole_models = (WORLD * LAYERS) as isize * param;
+    let bound = WORLD as isize * (shard_bytes + 4 * param);
+    assert_eq!(shard_bytes, LAYERS as isize * param / WORLD as isize);
+    eprintln!("the wrap grew the live bytes by {grew} ({:.1} full parameters)", grew as f64 / param as f64);
+    assert!(
+        grew <= bound,
+        "the wrap's live bytes grew by {grew} (≈ {:.1} full parameters); the shards and four full \
+         parameters per rank are {bound}, a whole model per rank {whole_models}",
+        grew as f64 / param as f64
+    );
+}

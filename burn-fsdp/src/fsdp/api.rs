@@ -26,7 +26,7 @@ use crate::optim::{
     TorchAdamW, clip_coefficient, grad_sq_sum, grad_sq_sum_split, scale_grads, standard_layout_grads,
 };
 use crate::runner::UnitRunner;
-use crate::walk::{deferred_shape, describe_float_tensors};
+use crate::walk::deferred_shape;
 
 mod eval;
 mod forward;

@@ -122,17 +122,18 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
                 )));
             }
         }
-        let model = {
+        // Rank 0's values, each trainable parameter cut to this rank's rows as it is reached
+        // (a lazy one materialised then, alone).
+        let (model, described) = {
             let mut groups = vec![&group];
             groups.extend(replicate.as_ref());
-            crate::fsdp::rank0_broadcast::from_rank0::<B, M>(model, &groups, deferred)?
+            crate::fsdp::rank0_broadcast::from_rank0_sharded::<B, M>(model, &groups, (rank, world), deferred)?
         };
         // FSDP2 shards parameters, never buffers: tensors that do not require grad (Burn's
         // `RunningState` buffers such as BatchNorm's running statistics, and frozen parameters)
         // stay whole and replicated on every rank, outside every collective.
-        let (described, replicated): (Vec<_>, Vec<_>) = describe_float_tensors::<B, M>(&model, deferred)
-            .into_iter()
-            .partition(|(.., trainable)| *trainable);
+        let (described, replicated): (Vec<_>, Vec<_>) =
+            described.into_iter().partition(|(.., trainable)| *trainable);
         if described.is_empty() {
             return Err(FsdpError::Config(if replicated.is_empty() {
                 "the model has no float parameters to shard".into()
@@ -317,10 +318,10 @@ impl<B: FsdpBackend> ModuleMapper<B> for Sharder<'_, B> {
                 }
             }
             _ => {
+                // Already this rank's rows (`rank0_broadcast`).
                 let (_, tensor, mapper) = param.consume();
                 let require_grad = tensor.is_require_grad();
-                // Copy the data out so the shard is a fresh leaf sharing nothing with `tensor`'s graph.
-                (p.shard_of(tensor.inner(), self.rank), require_grad, mapper)
+                (tensor.inner(), require_grad, mapper)
             }
         };
         let mut t = match self.host {
@@ -333,7 +334,8 @@ impl<B: FsdpBackend> ModuleMapper<B> for Sharder<'_, B> {
                 empty[0] = 0;
                 Tensor::<B, D>::zeros(burn::tensor::Shape::from(empty), &device)
             }
-            None => Tensor::<B, D>::from_data(shard.into_data(), &device),
+            // A fresh leaf: the first pass copied the rows out, and deferred rows are new.
+            None => Tensor::<B, D>::from_inner(shard),
         };
         if require_grad {
             t = t.require_grad();
