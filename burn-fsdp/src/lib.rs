@@ -72,7 +72,10 @@ pub use fsdp::{collectives, init, offload, op, param, param_group, prefetch, vie
 pub use comm::local::{LocalGroup, launch};
 pub use comm::mesh::DeviceMesh;
 pub use comm::{CollectiveFailure, CollectiveKind, CommError, CommStats, ProcessGroup, ReduceOp, Tag};
-pub use fsdp::{Fsdp, FsdpConfig, FsdpError, FsdpEvalRunner, FsdpRunner, MixedPrecisionPolicy, UnitPolicy};
+pub use fsdp::{
+    Fsdp, FsdpConfig, FsdpError, FsdpEvalRunner, FsdpRunner, MixedPrecisionPolicy, StepReport, UnitPolicy,
+    catch_collective_failures,
+};
 pub use hooks::{ModuleHooks, NoHooks};
 pub use host_memory::retain_host_memory;
 pub use op::FsdpBackend;

@@ -18,6 +18,9 @@ mod optimizers;
 mod records;
 #[path = "fsdp_core/shared_units.rs"]
 mod shared_units;
+/// `Fsdp::train_step`: the generic step of a hand-written loop (#42).
+#[path = "fsdp_core/train_step.rs"]
+mod train_step;
 
 use std::time::{Duration, Instant};
 

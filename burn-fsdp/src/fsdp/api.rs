@@ -33,6 +33,7 @@ mod forward;
 mod records;
 mod state;
 mod step;
+mod train_step;
 mod wrap;
 
 pub use eval::FsdpEvalRunner;
@@ -40,6 +41,7 @@ pub use forward::FsdpRunner;
 use forward::{collect_shards, unit_shards};
 use state::Unsharder;
 use step::ElemF64;
+pub use train_step::{StepReport, catch_collective_failures};
 
 /// Which parameters form a unit (one all-gather, one reduce-scatter).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -181,6 +183,11 @@ pub enum FsdpError {
         /// How many reduce-scatters were left.
         units: usize,
     },
+    /// A collective failed inside a forward or backward (a peer died, timed out or failed),
+    /// where it unwinds as a [`CollectiveFailure`](crate::CollectiveFailure):
+    /// [`Fsdp::train_step`] and [`catch_collective_failures`] return it as this error.
+    #[error("a collective failed inside the forward or backward: {0}")]
+    Collective(String),
     /// A record checkpoint ([`Fsdp::save_records`], [`Fsdp::load_records`], the Learner's) could
     /// not be written or read: `path` names the file or directory.
     #[error("FSDP checkpoint {}: {reason}", path.display())]

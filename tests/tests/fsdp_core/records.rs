@@ -28,7 +28,7 @@ use tests::max_rel_diff;
 type AB = Autodiff<NdArray<f32>>;
 type FB = Autodiff<NdArray<f32>, BalancedCheckpointing>;
 
-const ROWS: usize = 12; // each rank takes ROWS / W rows
+pub(super) const ROWS: usize = 12; // each rank takes ROWS / W rows
 const DIMS: [usize; 4] = [7, 10, 5, 3]; // rows that shard unevenly at W = 2 and 3
 const STEPS: usize = 6;
 const SAVED_AT: usize = 3; // the checkpoint holds the state after steps 0, 1, 2
@@ -38,7 +38,7 @@ const LR: f64 = 0.05;
 /// over the last hidden layer's features (buffers), left out where ranks must see the same
 /// statistics as one device.
 #[derive(Module, Debug)]
-struct Net<B: Backend> {
+pub(super) struct Net<B: Backend> {
     hidden: Vec<FsdpUnit<Linear<B>>>,
     norm: Option<BatchNorm<B>>,
     head: Linear<B>,
@@ -46,7 +46,7 @@ struct Net<B: Backend> {
 
 impl<B: Backend> Net<B> {
     /// Deterministic values from `salt` (a model built with another salt differs everywhere).
-    fn new(salt: usize, norm: bool, device: &B::Device) -> Self {
+    pub(super) fn new(salt: usize, norm: bool, device: &B::Device) -> Self {
         let linear = |d_in: usize, d_out: usize, k: usize| {
             let w: Vec<f32> =
                 (0..d_in * d_out).map(|i| (((i * 7 + k * 5 + salt * 3) % 17) as f32 - 8.0) * 0.05).collect();
@@ -77,12 +77,12 @@ impl<B: Backend> Net<B> {
         self.head.forward(h)
     }
 
-    fn loss(&self, x: Tensor<B, 2>, y: Tensor<B, 2>) -> Tensor<B, 1> {
+    pub(super) fn loss(&self, x: Tensor<B, 2>, y: Tensor<B, 2>) -> Tensor<B, 1> {
         (self.forward(x) - y).powf_scalar(2.0).mean()
     }
 }
 
-fn batch<B: Backend>(step: usize, device: &B::Device) -> (Tensor<B, 2>, Tensor<B, 2>) {
+pub(super) fn batch<B: Backend>(step: usize, device: &B::Device) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let x: Vec<f32> = (0..ROWS * DIMS[0]).map(|i| (((i * 5 + step * 11) % 19) as f32 - 9.0) * 0.1).collect();
     let y: Vec<f32> = (0..ROWS * DIMS[3]).map(|i| (((i * 3 + step) % 7) as f32 - 3.0) * 0.2).collect();
     (
