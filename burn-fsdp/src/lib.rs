@@ -27,8 +27,8 @@
 //!   [`DeviceMesh`] ([`comm::mesh`]). Nothing in it imports from the files below.
 //! - FSDP proper, on top, after PyTorch's `_fully_shard/`, one concept per file
 //!   under `src/fsdp/` (each at the crate root, one path per item): [`param`] (the sharded parameter), [`param_group`] (the parameter
-//!   group), [`collectives`] and [`prefetch`] (the unit's gathers and reduce-scatters, inline or
-//!   on a communication thread), [`op`] (the autodiff hooks), [`view`] (the parameters cut out
+//!   group), `collectives` and [`prefetch`] (the unit's gathers and reduce-scatters, inline or
+//!   on a communication thread), [`op`] (the autodiff hooks), `view` (the parameters cut out
 //!   of a gathered unit), [`offload`], [`init`] (deferred, per-shard initialisation:
 //!   [`Fsdp::wrap_deferred`]), rank 0's values broadcast at wrap, and the public API
 //!   ([`Fsdp`]).
@@ -67,7 +67,7 @@ pub mod unit;
 pub mod walk;
 
 // FSDP's parts, at the crate root (`burn_fsdp::param`, `burn_fsdp::offload`, …): their one path.
-pub use fsdp::{collectives, init, offload, op, param, param_group, prefetch, view};
+pub use fsdp::{init, offload, op, param, param_group, prefetch};
 
 pub use comm::local::{LocalGroup, launch};
 pub use comm::mesh::DeviceMesh;

@@ -95,10 +95,10 @@ fn memory_per_rank_against_16_psi_over_w() {
             for _ in 0..2 {
                 let loss = fsdp.forward(|m, r| m.forward_with(x.clone(), r)).mean();
                 let g = fsdp.gradients(loss.backward());
-                with_grads = fsdp.host_store().unwrap().bytes();
+                with_grads = fsdp.offloaded_bytes().unwrap();
                 fsdp.step(&mut adam, g);
             }
-            let after = fsdp.host_store().unwrap().bytes();
+            let after = fsdp.offloaded_bytes().unwrap();
             let largest_unit = fsdp.units().iter().map(|u| 4 * u.numel()).max().unwrap();
             Ok::<_, burn_fsdp::FsdpError>((
                 with_grads,

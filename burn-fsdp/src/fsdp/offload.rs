@@ -1,7 +1,7 @@
 //! CPU offload (FSDP2's `CPUOffloadPolicy`): shards, gradients and optimizer state on the host.
 //!
 //! With offload, the sharded module keeps no parameter data on the compute device (its
-//! parameters are zero-row placeholders). A unit's shards are uploaded from the [`HostStore`]
+//! parameters are zero-row placeholders). A unit's shards are uploaded from the host store
 //! right before its all-gather (and again for a re-gather in backward), the reduce-scattered
 //! gradient is copied back into the store as soon as the unit's backward ends, and AdamW steps
 //! the host copies with exactly the arithmetic of [`TorchAdamW`](crate::TorchAdamW). So between steps
@@ -30,7 +30,7 @@ pub struct OffloadPolicy {
 
 /// AdamW state of one parameter, on the host.
 #[derive(Debug, Clone, PartialEq)]
-pub struct HostAdam {
+pub(crate) struct HostAdam {
     /// Updates applied so far.
     pub step: u64,
     /// Running average of the gradient (padded flat shard).
@@ -41,7 +41,7 @@ pub struct HostAdam {
 
 /// One parameter's host copies (padded flat shards).
 #[derive(Debug, Clone, PartialEq)]
-pub struct HostParam {
+pub(crate) struct HostParam {
     /// The master shard.
     pub shard: Vec<f32>,
     /// The reduced gradient of the current step, if backward has produced it.
@@ -52,11 +52,11 @@ pub struct HostParam {
 
 /// Host memory holding every offloaded shard of one rank.
 #[derive(Debug, Default)]
-pub struct HostStore {
+pub(crate) struct HostStore {
     params: Mutex<HashMap<ParamId, HostParam>>,
 }
 
-/// Bytes held by a [`HostStore`], by kind.
+/// Bytes held in host memory under offload ([`Fsdp::offloaded_bytes`](crate::Fsdp::offloaded_bytes)), by kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct HostBytes {
     /// Master shards.

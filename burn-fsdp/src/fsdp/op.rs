@@ -48,7 +48,7 @@ pub const MAX_DIRECT_PARENTS: usize = 31;
 /// overlap is on, the rank's communication thread ([`Prefetcher`]), which then runs the
 /// gathers and reduce-scatters; without it they run inline.
 #[derive(Debug, Clone)]
-pub struct GatherComm<B: Backend> {
+pub(crate) struct GatherComm<B: Backend> {
     /// The unit's collectives.
     pub(crate) unit: Arc<UnitComm<B>>,
     /// The rank's overlap machinery, `None` for inline collectives.
@@ -66,7 +66,12 @@ impl<B: Backend> GatherComm<B> {
 }
 
 /// Backends on which FSDP can run: an autodiff backend with the differentiable all-gather.
+// Sealed: the hooks below take crate-private types (the prefetcher, the host store, the
+// views), so no other crate can implement this trait or call its methods; it is public
+// as the bound users name (`B: FsdpBackend`), implemented here for every `Autodiff<_, _>`.
+#[allow(private_interfaces)]
 pub trait FsdpBackend: AutodiffBackend {
+    #[doc(hidden)]
     /// All-gathers the concatenation of the flattened `shards` through `comm`
     /// (`[Σ nᵢ]` → `[world · Σ nᵢ]`), differentiably with respect to every shard.
     fn fsdp_all_gather(
@@ -77,6 +82,7 @@ pub trait FsdpBackend: AutodiffBackend {
         recompute: bool,
     ) -> FloatTensor<Self>;
 
+    #[doc(hidden)]
     /// The end of a forward's backward pass: a tracked `[1]` tensor whose node, made a parent
     /// of every gather of the forward (the `end` argument of the gathers), runs after all of
     /// them in backward (its depth is 1, theirs at least 2) and collects the reduce-scatters
@@ -87,6 +93,7 @@ pub trait FsdpBackend: AutodiffBackend {
         device: &burn::tensor::Device<Self::InnerBackend>,
     ) -> FloatTensor<Self>;
 
+    #[doc(hidden)]
     /// The same all-gather for an offloaded unit: the flat shard is uploaded from `host`
     /// (the concatenation of `ids`' shards, with their lengths) right before the gather and
     /// again for a re-gather; backward copies the reduced shard gradient back into `host`.
@@ -100,6 +107,7 @@ pub trait FsdpBackend: AutodiffBackend {
         recompute: bool,
     ) -> FloatTensor<Self>;
 
+    #[doc(hidden)]
     /// Parameter `view` cut out of a unit's gathered buffer (`[world · unit_len]`, the output
     /// of [`fsdp_all_gather`](Self::fsdp_all_gather)), differentiably: the backward of all
     /// views of one `group` adds into a single gradient buffer ([`crate::fsdp::view`]).
@@ -109,13 +117,16 @@ pub trait FsdpBackend: AutodiffBackend {
         group: &Arc<ViewGroup>,
     ) -> FloatTensor<Self>;
 
+    #[doc(hidden)]
     /// Whether a memory-bound op is recomputed in backward (true for
     /// `Autodiff<_, BalancedCheckpointing>`), which `reshard_after_forward` relies on.
     fn recomputes() -> bool;
 
+    #[doc(hidden)]
     /// The autodiff node of `tensor` (identifies it across clones).
     fn autodiff_node(tensor: &FloatTensor<Self>) -> NodeId;
 
+    #[doc(hidden)]
     /// Whether `tensor` is part of a graph that backward can walk (a leaf requiring
     /// gradients, or computed from one).
     fn is_tracked(tensor: &FloatTensor<Self>) -> bool;
@@ -316,6 +327,7 @@ macro_rules! dispatch {
     };
 }
 
+#[allow(private_interfaces)] // the crate-private hook types, as on the trait
 impl<B: Backend, C: CheckpointStrategy> FsdpBackend for Autodiff<B, C> {
     fn fsdp_all_gather(
         shards: Vec<FloatTensor<Self>>,

@@ -184,7 +184,7 @@ pub(crate) struct Targets {
 }
 
 /// The overlap machinery of one [`Fsdp`](crate::Fsdp) on one rank.
-pub struct Prefetcher<B: Backend> {
+pub(crate) struct Prefetcher<B: Backend> {
     worker: CommWorker,
     comms: Mutex<Vec<Weak<UnitComm<B>>>>,
     state: Mutex<State<B>>,

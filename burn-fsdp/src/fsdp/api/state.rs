@@ -3,8 +3,14 @@
 use super::*;
 
 impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
+    /// The bytes this rank holds in host memory under CPU offload (master shards, gradients,
+    /// optimizer state); `None` without offload.
+    pub fn offloaded_bytes(&self) -> Option<crate::offload::HostBytes> {
+        self.host.as_deref().map(HostStore::bytes)
+    }
+
     /// The host store of an offloaded FSDP (`None` without offload).
-    pub fn host_store(&self) -> Option<&HostStore> {
+    pub(crate) fn host_store(&self) -> Option<&HostStore> {
         self.host.as_deref()
     }
 
