@@ -1,6 +1,10 @@
 //! FSDP2 `MixedPrecisionPolicy`: bf16 all-gather and compute, fp32 reduction and master shards.
 #![allow(clippy::unwrap_used)]
 
+/// The default CPU backend (Flex) against an exact f64 reference (issue #44).
+#[path = "fsdp_precision/default_backend.rs"]
+mod default_backend;
+
 use std::time::Duration;
 
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
