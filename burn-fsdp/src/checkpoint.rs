@@ -325,8 +325,12 @@ fn unpadded(p: &ShardedParam, rank: usize, flat: Vec<f32>) -> (Vec<usize>, Vec<f
     (shape, v)
 }
 
-fn to_f32<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
-    t.into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default()
+fn to_f32<B: Backend, const D: usize>(
+    t: Tensor<B, D>,
+    what: &str,
+    path: &str,
+) -> Result<Vec<f32>, FsdpError> {
+    crate::downcast::f32_values(t.into_data(), || format!("{what} of `{path}`"))
 }
 
 /// Builds rank `rank`'s padded shard (flattened) of a full parameter.
@@ -393,7 +397,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
             }
         }
         group.barrier(&Tag::new("checkpoint:begin")).map_err(FsdpError::from)?;
-        let shards = self.shard_values();
+        let shards = self.shard_values()?;
         let mut tensors = Vec::new();
         for unit in self.units() {
             for p in &unit.params {
@@ -404,9 +408,14 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
                     Some(host) => {
                         host.get(p.id).and_then(|h| h.adam).map(|a| (a.step, a.exp_avg, a.exp_avg_sq))
                     }
-                    None => optim
-                        .state(&p.id)
-                        .map(|s| (s.step, to_f32(s.exp_avg.clone()), to_f32(s.exp_avg_sq.clone()))),
+                    None => match optim.state(&p.id) {
+                        Some(s) => Some((
+                            s.step,
+                            to_f32(s.exp_avg.clone(), "exp_avg", &p.path)?,
+                            to_f32(s.exp_avg_sq.clone(), "exp_avg_sq", &p.path)?,
+                        )),
+                        None => None,
+                    },
                 };
                 if let Some((step, m, v)) = state {
                     let s = AdamStep { step };
@@ -482,7 +491,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
             }
         }
         barrier("begin")?;
-        let shards = self.shard_values();
+        let shards = self.shard_values()?;
         // The whole parameter from every dp rank's padded flat shard, then from every tp slice.
         let whole = |p: &ShardedParam,
                      what: &str,
@@ -494,12 +503,14 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
                 to_f32(
                     dp.all_gather(t, &Tag::new(format!("checkpoint:{what}:{}", p.path)))
                         .map_err(FsdpError::from)?,
-                )
+                    what,
+                    &p.path,
+                )?
             } else {
-                to_f32(t)
+                to_f32(t, what, &p.path)?
             };
             full.truncate(p.global_shape.iter().product());
-            Ok(tp.unsplit(&p.path, &p.global_shape, full, &device).map_err(FsdpError::from)?)
+            Ok(tp.unsplit(&p.path, &p.global_shape, full, &device)?)
         };
         let mut tensors = Vec::new();
         let mut entries = Vec::new();
@@ -517,7 +528,11 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
                 let (sh, mine) = rows(&full);
                 tensors.push((format!("param/{}", p.path), TensorOut::F32(sh, mine)));
                 if let Some(s) = optim.state(&p.id) {
-                    let (step, m, v) = (s.step, to_f32(s.exp_avg.clone()), to_f32(s.exp_avg_sq.clone()));
+                    let (m, v) = (
+                        to_f32(s.exp_avg.clone(), "exp_avg", &p.path)?,
+                        to_f32(s.exp_avg_sq.clone(), "exp_avg_sq", &p.path)?,
+                    );
+                    let step = s.step;
                     let (_, m) = whole(p, "exp_avg", m)?;
                     let (_, v) = whole(p, "exp_avg_sq", v)?;
                     let (sh, m) = rows(&m);

@@ -68,3 +68,30 @@ fn flex_reshape_shared<B: burn::tensor::backend::Backend, const D: usize>(
     };
     Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(prim)).reshape(shape)
 }
+
+/// The values of `data` as `f32`, converting from its dtype. Burn converts every float and
+/// integer dtype; one it cannot (a quantized tensor) is [`FsdpError::Values`] naming `what` —
+/// never an empty vector that a norm, a checkpoint or a shard would silently take for zeros.
+pub(crate) fn f32_values(
+    data: burn::tensor::TensorData,
+    what: impl FnOnce() -> String,
+) -> Result<Vec<f32>, crate::FsdpError> {
+    let dtype = data.dtype;
+    data.convert::<f32>()
+        .to_vec::<f32>()
+        .map_err(|e| crate::FsdpError::Values { what: what(), reason: format!("{dtype:?}: {e:?}") })
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::TensorData;
+
+    #[test]
+    fn values_convert_to_f32_or_fail_naming_the_tensor() {
+        let v =
+            super::f32_values(TensorData::new(vec![1.5f64, -2.0], [2]), || "w".into()).expect("f64 converts");
+        assert_eq!(v, [1.5, -2.0]);
+        let v = super::f32_values(TensorData::new(vec![3i64], [1]), || "w".into()).expect("i64 converts");
+        assert_eq!(v, [3.0]);
+    }
+}

@@ -259,7 +259,7 @@ impl<B: Backend> TensorParallel<B> {
         shape: &[usize],
         local: Vec<f32>,
         device: &B::Device,
-    ) -> Result<(Vec<usize>, Vec<f32>), CommError> {
+    ) -> Result<(Vec<usize>, Vec<f32>), crate::FsdpError> {
         let style = self.by_path.get(path).and_then(|id| self.layouts.get(id)).map(|l| l.style);
         let (Some(style), true) = (style, self.group.size() > 1) else { return Ok((shape.to_vec(), local)) };
         if style == TpStyle::PartialGrad {
@@ -268,7 +268,7 @@ impl<B: Backend> TensorParallel<B> {
         let n = local.len();
         let t = Tensor::<B, 1>::from_data(burn::tensor::TensorData::new(local, [n]), device);
         let all = self.group.all_gather(t, &Tag::new(format!("tp:unsplit:{path}")))?;
-        let all = all.into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default();
+        let all = crate::downcast::f32_values(all.into_data(), || format!("`{path}` (its tp slices)"))?;
         let tp = self.group.size();
         let (rows, cols) = (shape[0], shape[1]);
         match style {

@@ -188,6 +188,14 @@ pub enum FsdpError {
     /// [`Fsdp::train_step`] and [`catch_collective_failures`] return it as this error.
     #[error("a collective failed inside the forward or backward: {0}")]
     Collective(String),
+    /// A tensor's values could not be read as `f32` (a dtype Burn cannot convert).
+    #[error("the values of {what} cannot be read as f32: {reason}")]
+    Values {
+        /// The parameter (its module path) or other tensor.
+        what: String,
+        /// The dtype and Burn's error.
+        reason: String,
+    },
     /// A record checkpoint ([`Fsdp::save_records`], [`Fsdp::load_records`], the Learner's) could
     /// not be written or read: `path` names the file or directory.
     #[error("FSDP checkpoint {}: {reason}", path.display())]

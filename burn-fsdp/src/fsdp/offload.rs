@@ -104,7 +104,13 @@ impl HostStore {
     /// Device → host: splits a unit's flat shard gradient over `ids` (with their lengths) and
     /// adds it to the stored gradients.
     pub fn accumulate_grad<B: Backend>(&self, ids: &[(ParamId, usize)], grad: Tensor<B, 1>) {
-        let values = grad.into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default();
+        // Inside backward, where nothing can be returned: the reduce-scatter made this gradient
+        // in the reduce dtype (f32 or bf16), which converts; were it not, fail loudly.
+        let values =
+            match crate::downcast::f32_values(grad.into_data(), || "an offloaded unit's gradient".into()) {
+                Ok(v) => v,
+                Err(e) => panic!("{e}"),
+            };
         let mut store = self.lock();
         let mut offset = 0;
         for (id, len) in ids {

@@ -25,7 +25,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         local
             .into_iter()
             .map(|(name, shape, data)| {
-                let v = data.convert::<f32>().to_vec::<f32>().unwrap_or_default();
+                let v = crate::downcast::f32_values(data, || format!("`{name}`"))?;
                 let (shape, v) = tp.unsplit(&name, &shape, v, &device)?;
                 let n = shape.clone();
                 Ok((name, shape, TensorData::new(v, n)))
@@ -36,7 +36,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     /// [`full_parameters`](Self::full_parameters) of this tp rank's slices.
     pub(crate) fn full_local_parameters(&self) -> Result<Vec<(String, Vec<usize>, TensorData)>, FsdpError> {
         self.quiesce();
-        let shards = self.shard_values();
+        let shards = self.shard_values()?;
         let group = self.shard_group();
         let mut out = Vec::new();
         for unit in &self.units {
@@ -59,15 +59,22 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     }
 
     /// This rank's padded shard of every parameter, flattened to `f32` host values.
-    pub(crate) fn shard_values(&self) -> HashMap<ParamId, Vec<f32>> {
+    pub(crate) fn shard_values(&self) -> Result<HashMap<ParamId, Vec<f32>>, FsdpError> {
         if let Some(host) = &self.host {
-            return self
+            return Ok(self
                 .units
                 .iter()
                 .flat_map(|u| u.params.iter())
                 .filter_map(|p| host.get(p.id).map(|h| (p.id, h.shard)))
-                .collect();
+                .collect());
         }
+        let path = |id: ParamId| {
+            self.units
+                .iter()
+                .flat_map(|u| u.params.iter())
+                .find(|p| p.id == id)
+                .map_or_else(|| format!("parameter {id}"), |p| format!("`{}` (this rank's shard)", p.path))
+        };
         let shards = collect_shards::<B, M>(&self.module, &self.param_unit, self.units.len());
         shards
             .into_iter()
@@ -77,7 +84,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
                     t.clone(),
                     burn::tensor::Shape::new([burn::tensor::TensorMetadata::shape(&t).num_elements()]),
                 )));
-                (id, t.inner().into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default())
+                Ok((id, crate::downcast::f32_values(t.inner().into_data(), || path(id))?))
             })
             .collect()
     }

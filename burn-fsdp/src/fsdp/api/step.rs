@@ -186,7 +186,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         if self.world() > 1 {
             sums = self.shard_group().all_reduce(sums, ReduceOp::Sum, &Tag::new("clip_grad_norm"))?;
         }
-        let v: Vec<f32> = sums.into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default();
+        let v = crate::downcast::f32_values(sums.into_data(), || "the squared gradient norms".into())?;
         let (mut split, rest) = (v.first().copied().unwrap_or(0.0), v.get(1).copied().unwrap_or(0.0));
         if tp.group().size() > 1 {
             let t = Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(vec![split], [1]), device);

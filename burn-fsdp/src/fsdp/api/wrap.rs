@@ -327,8 +327,15 @@ impl<B: FsdpBackend> ModuleMapper<B> for Sharder<'_, B> {
         let mut t = match self.host {
             Some(host) => {
                 let n = shard.shape().num_elements();
-                let values =
-                    shard.reshape([n]).into_data().convert::<f32>().to_vec::<f32>().unwrap_or_default();
+                let values = match crate::downcast::f32_values(shard.reshape([n]).into_data(), || {
+                    format!("`{}`", p.path)
+                }) {
+                    Ok(v) => v,
+                    Err(e) => {
+                        self.error = Some(e);
+                        return Param::from_mapped_value(id, Tensor::empty([0; D], &device), mapper);
+                    }
+                };
                 host.insert(id, values);
                 let mut empty = p.shard_shape();
                 empty[0] = 0;
