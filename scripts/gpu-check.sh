@@ -5,7 +5,8 @@
 # even when a step fails. Usage: scripts/gpu-check.sh [PACK_DIR] [OUT_DIR]
 #   PACK_DIR  default ./gpu-pack (bin/xtask, fixtures/, manifest.json)   OUT_DIR  default ${OUT:-./gpu-out}
 # On a machine without an NVIDIA GPU it exits at once (status 2) with "no GPU" in its message.
-# Status: 0 when every step that ran passed, 1 otherwise. See docs/gpu.md for the fields.
+# Status: 0 when every selected step ran and passed, 1 otherwise (a missing pack, an unknown
+# name in GPU_CHECK_STEPS or a throughput below its floor fails the check). See docs/gpu.md.
 #
 # STATUS (stop 37, issue #15): run on one H200 (CUDA 13.0): environment, pack and the three
 # Qwen3 steps on the CUDA proxy passed (within 1e-4 of PyTorch); Burn's CUDA backend, the
@@ -101,6 +102,14 @@ within_tolerance() {
   [ -n "$loss" ] && [ -n "$norm" ] && awk -v a="$loss" -v b="$norm" -v t="$tol" 'BEGIN{exit !(a <= t && b <= t)}'
 }
 
+# at_least FILE FIGURE FLOOR: the figure `FIGURE: value` in FILE is a number ≥ FLOOR.
+at_least() {
+  local v
+  v="$(sed -n "s/^$2: *\([-+0-9.eE]*\)\$/\1/p" "$1" 2>/dev/null | head -n 1)"
+  echo "$2: ${v:-missing} (floor $3)"
+  [ -n "$v" ] && awk -v a="$v" -v f="$3" 'BEGIN{exit !(a >= f)}'
+}
+
 # selected NAME: whether the step runs — every step unless GPU_CHECK_STEPS (names separated by
 # spaces, e.g. "conformance throughput") lists some; the others are reported as skipped.
 selected() {
@@ -110,6 +119,13 @@ selected() {
 skip() { # NAME WHY
   STEPS+=("{$(json_str name "$1"), $(json_str status "skipped: $2")}")
   echo "[$1] skipped: $2"
+}
+
+# not_run NAME WHY: a selected step that could not run — the check fails.
+not_run() {
+  STEPS+=("{$(json_str name "$1"), $(json_str status "not run: $2")}")
+  echo "[$1] not run: $2"
+  FAILED=1
 }
 
 # ── No GPU: stop at once. ──
@@ -134,8 +150,9 @@ find_lib() { # first path of a library matching the pattern: ldconfig, the usual
     find /usr/local/cuda* /usr/lib /usr/lib64 /opt -name "$2" -not -path '*/stubs/*' 2>/dev/null | sort | head -n 1 | grep . ||
     search "$2"
 }
-LIBCUDA="$(find_lib '^libcuda\\.so' 'libcuda.so*')"
-LIBNVRTC="$(find_lib '^libnvrtc\\.so' 'libnvrtc.so*')"
+# GPU_CHECK_LIBCUDA / GPU_CHECK_LIBNVRTC name the libraries where the search cannot find them.
+LIBCUDA="${GPU_CHECK_LIBCUDA:-$(find_lib '^libcuda\\.so' 'libcuda.so*')}"
+LIBNVRTC="${GPU_CHECK_LIBNVRTC:-$(find_lib '^libnvrtc\\.so' 'libnvrtc.so*')}"
 # CUDA 13 names its compiler library libnvrtc.so.13, which loaders that try a list of
 # versioned names may not know: expose it (and libcuda) under the unversioned names as well.
 mkdir -p "$OUT_DIR/lib"
@@ -177,10 +194,32 @@ GPU_STEPS="qwen3-tiny-single qwen3-tiny-fsdp4 qwen3-tiny-offload qwen3-tiny-burn
 # failures, not failures): at least 656 pass. Fused: 657 less the 145 f64 cases and the 24.
 MIN_PASS=650
 MIN_PASS_FUSED=480
+# The throughput floor (tokens/s of cuda_proxy_fsdp_w1_bf16 on 0.6B, 4 × 1024 tokens): half of
+# the 6 400–6 444 measured on an H200 (stops 37, 38; docs/gpu.md). GPU_CHECK_MIN_TOKENS_PER_SEC
+# sets another for another card.
+MIN_TOKENS_PER_SEC="${GPU_CHECK_MIN_TOKENS_PER_SEC:-3200}"
+# Every name GPU_CHECK_STEPS lists must be a step: an unknown one (a typo) would otherwise
+# select nothing and pass.
+UNKNOWN=""
+for s in ${GPU_CHECK_STEPS:-}; do
+  [[ " $GPU_STEPS " == *" $s "* ]] || UNKNOWN="$UNKNOWN $s"
+done
+if [ -n "$UNKNOWN" ]; then
+  not_run steps "GPU_CHECK_STEPS names no such step:$UNKNOWN (steps: $GPU_STEPS)"
+fi
+# ran_or_failed WHY: every selected step is reported as not run (the check fails).
+none_ran() {
+  for s in $GPU_STEPS; do
+    if [ "$s" = conformance-fused ] && [ -z "${GPU_CHECK_STEPS:-}" ]; then
+      skip "$s" "only when GPU_CHECK_STEPS names it"
+    elif selected "$s"; then not_run "$s" "$1"; else skip "$s" "not in GPU_CHECK_STEPS"; fi
+  done
+}
 if [ ! -f "$PACK/bin/xtask.gz" ] || [ ! -f "$PACK/manifest.json" ]; then
-  for s in pack $GPU_STEPS; do skip "$s" "no pack ($PACK/bin/xtask.gz): cargo xtask gpu-pack --out $PACK"; done
+  not_run pack "no pack ($PACK/bin/xtask.gz): cargo xtask gpu-pack --out $PACK"
+  none_ran "no pack"
 elif ! step pack 5 unpack; then
-  for s in $GPU_STEPS; do skip "$s" "the pack did not unpack intact (pack.log)"; done
+  none_ran "the pack did not unpack intact (pack.log)"
 else
   FIX="$PACK/fixtures/qwen3-tiny-a"
   # maybe NAME TIMEOUT CMD...: `step`, or skipped when GPU_CHECK_STEPS leaves it out.
@@ -214,6 +253,9 @@ else
   # Cold, the proxy's warm-up (compile + autotune) alone took 92 s (stop 38); burn_cuda's more.
   maybe throughput 140 "$X" gpu-bench --preset 0.6b --batch 4 --seq 1024 --steps 3 \
     --variants cuda_proxy,burn_cuda --out "$OUT_DIR/gpu-bench.txt"
+  if selected throughput; then
+    step throughput-floor 5 at_least "$OUT_DIR/gpu-bench.txt" cuda_proxy_fsdp_w1_bf16_tokens_per_sec "$MIN_TOKENS_PER_SEC"
+  fi
   # Conformance last: the longest step (cold, ~0.3 s a case: compiling dominates; autotune at
   # its minimal level compiles fewer candidates). --progress logs each case as it starts and
   # ends, so a timeout still shows how far the suite got and which case it was in. Stop 38: 280

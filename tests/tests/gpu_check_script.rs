@@ -1,7 +1,9 @@
 //! `scripts/gpu-check.sh` on a machine without a GPU: it stops at once with "no GPU" (exit 2),
 //! and, with a stand-in `nvidia-smi` and a stand-in pack, runs every step from the pack, writes
 //! `gpu-report.json` and one log per step, refuses a pack whose binary does not match its
-//! manifest, and fails a run whose `summary.json` is off the PyTorch fixture.
+//! manifest, and fails a run whose `summary.json` is off the PyTorch fixture. Its verdict is
+//! asserted exactly: "failed" when a selected step did not run (no pack, a name in
+//! `GPU_CHECK_STEPS` that is no step) or the throughput is below its floor.
 #![allow(clippy::unwrap_used)]
 
 use std::io::Write;
@@ -23,11 +25,19 @@ fn run(bin: &Path, pack: &Path, out: &Path) -> Output {
     run_env(bin, pack, out, &[])
 }
 
-/// [`run`] with extra environment variables (`GPU_CHECK_STEPS`, `GPU_CHECK_SCALE`).
+/// [`run`] with extra environment variables (`GPU_CHECK_STEPS`, `GPU_CHECK_SCALE`). Stand-in
+/// CUDA libraries (in `bin`) make the environment step pass wherever the test runs.
 fn run_env(bin: &Path, pack: &Path, out: &Path, env: &[(&str, &str)]) -> Output {
     let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
     let mut cmd = Command::new("bash");
-    cmd.arg(script()).arg(pack).arg(out).env("PATH", path).env_remove("GPU_CHECK_STEPS");
+    cmd.arg(script())
+        .arg(pack)
+        .arg(out)
+        .env("PATH", path)
+        .env("GPU_CHECK_LIBCUDA", bin.join("libcuda.so.1"))
+        .env("GPU_CHECK_LIBNVRTC", bin.join("libnvrtc.so.13"))
+        .env_remove("GPU_CHECK_STEPS")
+        .env_remove("GPU_CHECK_MIN_TOKENS_PER_SEC");
     cmd.envs(env.iter().copied()).output().unwrap()
 }
 
@@ -80,7 +90,7 @@ case "$1" in
     echo '{{"worst_loss_rel_diff": {worst_loss_rel_diff}, "worst_grad_norm_rel_diff": 2e-6}}' > "$out/summary.json";;
   gpu-bench)
     while [ $# -gt 0 ]; do [ "$1" = --out ] && out="$2"; shift; done
-    echo "cuda_proxy_fsdp_w1_bf16_tokens_per_sec: 1.0" > "$out";;
+    echo "cuda_proxy_fsdp_w1_bf16_tokens_per_sec: 6400.0" > "$out";;
 esac
 "#
     );
@@ -111,6 +121,9 @@ fn gpu_bin(dir: &Path) -> PathBuf {
         "#!/bin/sh\ncase \"$*\" in\n  -L) echo 'GPU 0: stand-in';;\n  *name*) echo stand-in;;\n  \
          *driver*) echo 0.0;;\n  *) echo 'CUDA Version: 13.0';;\nesac\n",
     );
+    for lib in ["libcuda.so.1", "libnvrtc.so.13"] {
+        std::fs::write(bin.join(lib), b"stand-in").unwrap();
+    }
     bin
 }
 
@@ -134,6 +147,8 @@ fn every_step_runs_from_the_pack_and_is_reported() {
         "qwen3-tiny-burn-cuda-single-vs-pytorch",
         "qwen3-tiny-fsdp4-burn-cuda-vs-pytorch",
         "throughput",
+        "throughput-floor",
+        "environment",
     ] {
         assert_eq!(status_of(&r, step), "passed", "{step}: {r}");
         assert!(out.join(format!("{step}.log")).is_file(), "{step}.log");
@@ -158,11 +173,54 @@ fn every_step_runs_from_the_pack_and_is_reported() {
     ] {
         assert!(calls.contains(expected), "{expected} not in {calls}");
     }
-    // The environment step needs libcuda and libnvrtc: it passes only where they exist.
-    let env = status_of(&r, "environment");
-    assert!(env == "passed" || env.starts_with("failed"), "{env}");
-    let verdict = r["verdict"].as_str().unwrap();
-    assert_eq!(o.status.code(), Some(if env == "passed" { 0 } else { 1 }), "{verdict}: {o:?}");
+    assert_eq!(r["verdict"], "passed", "{r}");
+    assert_eq!(o.status.code(), Some(0), "{o:?}");
+}
+
+#[test]
+fn no_pack_fails_the_check_with_every_step_not_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let o = run(&gpu_bin(dir.path()), &dir.path().join("no-such-pack"), &out);
+    let r = report(&out);
+    assert_eq!(r["verdict"], "failed", "{r}");
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert!(status_of(&r, "pack").starts_with("not run: no pack"), "{r}");
+    assert_eq!(status_of(&r, "conformance"), "not run: no pack", "{r}");
+    assert_eq!(status_of(&r, "conformance-fused"), "skipped: only when GPU_CHECK_STEPS names it", "{r}");
+}
+
+#[test]
+fn a_step_name_that_is_no_step_fails_the_check() {
+    let dir = tempfile::tempdir().unwrap();
+    let pack = stand_in_pack(dir.path(), "1e-6", true);
+    let out = dir.path().join("out");
+    let o = run_env(&gpu_bin(dir.path()), &pack, &out, &[("GPU_CHECK_STEPS", "conformance throughtput")]);
+    let r = report(&out);
+    assert_eq!(r["verdict"], "failed", "{r}");
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert!(status_of(&r, "steps").contains("no such step: throughtput"), "{r}");
+    assert_eq!(status_of(&r, "conformance"), "passed", "{r}");
+}
+
+#[test]
+fn a_throughput_below_its_floor_fails_the_check() {
+    let dir = tempfile::tempdir().unwrap();
+    let pack = stand_in_pack(dir.path(), "1e-6", true);
+    let out = dir.path().join("out");
+    let o = run_env(
+        &gpu_bin(dir.path()),
+        &pack,
+        &out,
+        &[("GPU_CHECK_STEPS", "throughput"), ("GPU_CHECK_MIN_TOKENS_PER_SEC", "10000")],
+    );
+    let r = report(&out);
+    assert_eq!(r["verdict"], "failed", "{r}");
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert_eq!(status_of(&r, "throughput"), "passed", "{r}");
+    assert!(status_of(&r, "throughput-floor").starts_with("failed"), "{r}");
+    let log = std::fs::read_to_string(out.join("throughput-floor.log")).unwrap();
+    assert!(log.contains("6400.0") && log.contains("floor 10000"), "{log}");
 }
 
 #[test]
@@ -175,7 +233,7 @@ fn a_pack_that_does_not_match_its_manifest_runs_nothing() {
     let r = report(&out);
     assert_eq!(r["verdict"], "failed");
     assert!(status_of(&r, "pack").starts_with("failed"), "{r}");
-    assert!(status_of(&r, "conformance").starts_with("skipped"), "{r}");
+    assert_eq!(status_of(&r, "conformance"), "not run: the pack did not unpack intact (pack.log)", "{r}");
     assert!(!out.join("calls.txt").exists(), "no step ran the binary");
 }
 
