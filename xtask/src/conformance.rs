@@ -60,7 +60,8 @@ pub struct ConformanceArgs {
     /// Run only the cases whose name contains this substring (e.g. `matmul`, `grad/`, `bf16`).
     #[arg(long)]
     pub filter: Option<String>,
-    /// Print only failed cases, known upstream failures (`XFAIL`) and the summary line.
+    /// Print only failed cases, known upstream failures (`XFAIL`), known failures that passed
+    /// (`XPASS`) and the summary line.
     #[arg(long)]
     pub quiet: bool,
     /// Also print each case to stderr as it starts and ends, so a run cut short (a timeout, a
@@ -155,7 +156,9 @@ pub fn run(args: &ConformanceArgs) -> Result<Status> {
                 if !args.quiet
                     || matches!(
                         case.outcome,
-                        burn_conformance::Outcome::Failed(_) | burn_conformance::Outcome::KnownFailure(_)
+                        burn_conformance::Outcome::Failed(_)
+                            | burn_conformance::Outcome::KnownFailure(_)
+                            | burn_conformance::Outcome::UnexpectedPass(_)
                     )
                 {
                     println!("{case}");

@@ -18,12 +18,86 @@ pub enum Outcome {
     /// A wrong result that a known bug of a crate this backend is built on explains — the
     /// reason names it, then what the case measured. Counted apart from failures (like
     /// pytest's `xfail`): still printed in every report, and no reason for a run to fail.
-    /// Only cases listed for the backend ([`KNOWN_CUBECL_0_21`]) can end this way.
+    /// Only cases listed for the backend by exact name ([`KNOWN_CUBECL_0_21`]), failing the
+    /// way the list says ([`FailureClass`]), can end this way.
     KnownFailure(String),
+    /// A case listed as a known failure that passed (pytest's `xpass`): counted as passed,
+    /// reported apart, so that a fixed bug is seen and its entry removed.
+    UnexpectedPass(String),
 }
 
-/// Cases that fail on every burn-cubecl 0.21 backend (CubeCL runtimes, fused or not), by
-/// case-name fragment, and the upstream bug that explains it. burn-cubecl 0.21's `mask_where`
+/// How a case failed, for matching it against a known failure: a known bug that starts failing
+/// another way (a panic where wrong values were known) is a failure, not a known one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureClass {
+    /// Values off: above the tolerance, NaN, or an element that differs.
+    WrongValues,
+    /// The result has the wrong shape.
+    WrongShape,
+    /// The backend panicked.
+    Panicked,
+    /// Anything else (a wrong dtype, …).
+    Other,
+}
+
+impl FailureClass {
+    /// The class of a [`Outcome::Failed`] message.
+    pub fn of(what: &str) -> Self {
+        if what.starts_with("panicked") {
+            Self::Panicked
+        } else if what.starts_with("shape ") {
+            Self::WrongShape
+        } else if what == "error above tolerance" || what.starts_with("NaN") || what.starts_with("element ") {
+            Self::WrongValues
+        } else {
+            Self::Other
+        }
+    }
+}
+
+/// A known upstream bug and the cases it fails, by exact name: every
+/// `<family>/<dtype>/<op>` of the lists, each failing only as `classes` say.
+#[derive(Debug, Clone, Copy)]
+pub struct KnownBug {
+    /// The ops (the last part of the case name).
+    pub ops: &'static [&'static str],
+    /// The case families (`inner`, `autodiff`).
+    pub families: &'static [&'static str],
+    /// The dtype labels (`f32`, `f64`, `bf16`, `f16`).
+    pub dtypes: &'static [&'static str],
+    /// How the cases may fail.
+    pub classes: &'static [FailureClass],
+    /// The bug.
+    pub bug: &'static str,
+}
+
+impl KnownBug {
+    /// Whether `name` is one of this bug's cases (exactly).
+    pub fn covers(&self, name: &str) -> bool {
+        let mut parts = name.splitn(3, '/');
+        let (Some(family), Some(dtype), Some(op)) = (parts.next(), parts.next(), parts.next()) else {
+            return false;
+        };
+        self.families.contains(&family) && self.dtypes.contains(&dtype) && self.ops.contains(&op)
+    }
+
+    /// Every case name this bug covers.
+    pub fn cases(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for family in self.families {
+            for dtype in self.dtypes {
+                for op in self.ops {
+                    out.push(format!("{family}/{dtype}/{op}"));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Cases that fail on burn-cubecl 0.21 backends (CubeCL runtimes, fused or not), by exact
+/// name (32: `mask_where.broadcast_{input,mask}`, `{max,min}_pair.broadcast` in the `inner` and
+/// `autodiff` families, f32, f64, bf16, f16), and the upstream bug that explains them. burn-cubecl 0.21's `mask_where`
 /// sizes its launch from the input tensor instead of the broadcast output and may reuse, as
 /// the output, an input smaller than it: with an input (or input and value) smaller than the
 /// mask, the tail of the output is never written, or the output keeps the input's shape.
@@ -32,12 +106,20 @@ pub enum Outcome {
 /// Found by the GPU check (stop 37): `max_pair.broadcast` failed on an H200 in bf16/f16; on f32
 /// and on the emulated MetaX device the case had passed only because the output buffer reused
 /// memory that held the same values.
-pub const KNOWN_CUBECL_0_21: &[(&str, &str)] = &[
-    ("mask_where.broadcast_input", MASK_WHERE_0_21),
-    ("mask_where.broadcast_mask", MASK_WHERE_0_21),
-    ("max_pair.broadcast", MASK_WHERE_0_21),
-    ("min_pair.broadcast", MASK_WHERE_0_21),
-];
+/// The wrong values and wrong shapes are the classes seen (the emulated MetaX device: 8 wrong
+/// shapes, 8 wrong values; the H200: wrong values); a panic is not this bug.
+pub const KNOWN_CUBECL_0_21: &[KnownBug] = &[KnownBug {
+    ops: &[
+        "mask_where.broadcast_input",
+        "mask_where.broadcast_mask",
+        "max_pair.broadcast",
+        "min_pair.broadcast",
+    ],
+    families: &["inner", "autodiff"],
+    dtypes: &["f32", "f64", "bf16", "f16"],
+    classes: &[FailureClass::WrongValues, FailureClass::WrongShape],
+    bug: MASK_WHERE_0_21,
+}];
 
 const MASK_WHERE_0_21: &str = "known burn-cubecl 0.21 bug: mask_where launches over the input, not the broadcast \
      output (tracel-ai/cubecl#1674, fixed by tracel-ai/burn#5767 after 0.21)";
@@ -65,7 +147,10 @@ pub struct Report {
 impl Report {
     /// Number of passed cases.
     pub fn passed(&self) -> usize {
-        self.cases.iter().filter(|c| c.outcome == Outcome::Passed).count()
+        self.cases
+            .iter()
+            .filter(|c| matches!(c.outcome, Outcome::Passed | Outcome::UnexpectedPass(_)))
+            .count()
     }
 
     /// Number of failed cases.
@@ -78,6 +163,11 @@ impl Report {
         self.cases.iter().filter(|c| matches!(c.outcome, Outcome::KnownFailure(_))).count()
     }
 
+    /// Number of cases listed as known failures that passed ([`Outcome::UnexpectedPass`]).
+    pub fn unexpected_passes(&self) -> usize {
+        self.cases.iter().filter(|c| matches!(c.outcome, Outcome::UnexpectedPass(_))).count()
+    }
+
     /// Number of skipped cases.
     pub fn skipped(&self) -> usize {
         self.cases.iter().filter(|c| matches!(c.outcome, Outcome::Skipped(_))).count()
@@ -88,14 +178,18 @@ impl Report {
         self.cases.iter().filter(|c| matches!(c.outcome, Outcome::Failed(_)))
     }
 
-    /// The final `passed: N failed: M skipped: K` line, with `known upstream failures: J` after
-    /// it when there are any.
+    /// The final `passed: N failed: M skipped: K` line, with `known upstream failures: J` and
+    /// `known failures that passed: P` after it when there are any.
     pub fn summary(&self) -> String {
-        let line = format!("passed: {} failed: {} skipped: {}", self.passed(), self.failed(), self.skipped());
-        match self.known_failures() {
-            0 => line,
-            k => format!("{line} known upstream failures: {k}"),
+        let mut line =
+            format!("passed: {} failed: {} skipped: {}", self.passed(), self.failed(), self.skipped());
+        if self.known_failures() > 0 {
+            line += &format!(" known upstream failures: {}", self.known_failures());
         }
+        if self.unexpected_passes() > 0 {
+            line += &format!(" known failures that passed: {}", self.unexpected_passes());
+        }
+        line
     }
 }
 
@@ -120,6 +214,11 @@ impl fmt::Display for Case {
                 write!(f, "XFAIL {}", self.name)?;
                 err(f, ">")?;
                 write!(f, ": {why}")
+            }
+            Outcome::UnexpectedPass(why) => {
+                write!(f, "XPASS {}", self.name)?;
+                err(f, "≤")?;
+                write!(f, ": listed as a known failure ({why}), but passed")
             }
         }
     }
@@ -172,8 +271,8 @@ pub(crate) struct Runner<'f> {
     pub(crate) excluded: Vec<(burn::tensor::DType, String)>,
     /// While set, every case is recorded as skipped with this reason without running.
     skip: Option<String>,
-    /// Case-name fragments whose failure a known upstream bug explains, and the bug.
-    pub(crate) known: &'static [(&'static str, &'static str)],
+    /// Known upstream bugs and the cases (by exact name) whose failure they explain.
+    pub(crate) known: &'static [KnownBug],
     pub(crate) report: Report,
 }
 
@@ -216,12 +315,18 @@ impl<'f> Runner<'f> {
             Some(why) => (None, Outcome::Skipped(why.clone())),
             None => judge(catch_unwind(AssertUnwindSafe(body)), tolerance),
         };
-        let outcome = match outcome {
-            Outcome::Failed(what) => match self.known.iter().find(|(fragment, _)| name.contains(fragment)) {
-                Some((_, why)) => Outcome::KnownFailure(format!("{why}; here: {what}")),
-                None => Outcome::Failed(what),
-            },
-            other => other,
+        let outcome = match (outcome, self.known.iter().find(|k| k.covers(&name))) {
+            (Outcome::Failed(what), Some(known)) if known.classes.contains(&FailureClass::of(&what)) => {
+                Outcome::KnownFailure(format!("{}; here: {what}", known.bug))
+            }
+            (Outcome::Failed(what), Some(known)) => Outcome::Failed(format!(
+                "{what} — a known failure ({}) that failed otherwise: {:?}, not {:?}",
+                known.bug,
+                FailureClass::of(&what),
+                known.classes
+            )),
+            (Outcome::Passed, Some(known)) => Outcome::UnexpectedPass(known.bug.to_owned()),
+            (other, _) => other,
         };
         let case = Case { name, tolerance, error, outcome };
         if progress {
@@ -326,15 +431,33 @@ mod tests {
         r.skip_all(Some("dtype bf16 unsupported".into()));
         r.case("skipped_block", 0.0, || panic!("must not run"));
         r.skip_all(None);
-        r.known = &[("known_bug", "upstream bug #1")];
+        const KNOWN: &[KnownBug] = &[KnownBug {
+            ops: &["known_bug.case", "known_bug.fine", "known_bug.panics"],
+            families: &["inner"],
+            dtypes: &["f32"],
+            classes: &[FailureClass::WrongValues],
+            bug: "upstream bug #1",
+        }];
+        r.known = KNOWN;
         r.case("inner/f32/known_bug.case", 1e-6, || Ok(1e-3));
         r.case("inner/f32/known_bug.fine", 1e-6, || Ok(1e-8));
+        // Another class than the list's: a failure. A name that only contains a listed one: not covered.
+        r.case("inner/f32/known_bug.panics", 1e-6, || panic!("boom"));
+        r.case("inner/f32/known_bug.case.other", 1e-6, || Ok(1e-3));
         let rep = r.report;
-        assert_eq!((rep.passed(), rep.failed(), rep.skipped()), (2, 4, 2), "{rep}");
-        assert_eq!(rep.known_failures(), 1, "{rep}");
+        assert_eq!((rep.passed(), rep.failed(), rep.skipped()), (2, 6, 2), "{rep}");
+        assert_eq!((rep.known_failures(), rep.unexpected_passes()), (1, 1), "{rep}");
         let text = rep.to_string();
         assert!(text.contains("XFAIL inner/f32/known_bug.case (max err 1.0e-3 > tol 1.0e-6): upstream bug #1; here: error above tolerance"), "{text}");
-        assert!(text.ends_with("passed: 2 failed: 4 skipped: 2 known upstream failures: 1"), "{text}");
+        assert!(text.contains("XPASS inner/f32/known_bug.fine (max err 1.0e-8 ≤ tol 1.0e-6): listed as a known failure (upstream bug #1), but passed"), "{text}");
+        assert!(text.contains("FAIL inner/f32/known_bug.panics: panicked: boom — a known failure (upstream bug #1) that failed otherwise: Panicked, not [WrongValues]"), "{text}");
+        assert!(text.contains("FAIL inner/f32/known_bug.case.other"), "{text}");
+        assert!(
+            text.ends_with(
+                "passed: 2 failed: 6 skipped: 2 known upstream failures: 1 known failures that passed: 1"
+            ),
+            "{text}"
+        );
         assert!(text.contains("FAIL panics: panicked: kernel exploded"), "{text}");
         assert!(text.contains("FAIL too_far (max err 1.0e-3 > tol 1.0e-6)"), "{text}");
         assert!(text.contains("PASS ok (max err 1.0e-7 ≤ tol 1.0e-6)"), "{text}");

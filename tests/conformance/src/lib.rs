@@ -65,7 +65,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 #[cfg(feature = "cube")]
 pub use cube::run_cube_matmul;
 use harness::Runner;
-pub use harness::{Case, KNOWN_CUBECL_0_21, Outcome, Report, set_progress};
+pub use harness::{Case, FailureClass, KNOWN_CUBECL_0_21, KnownBug, Outcome, Report, set_progress};
 
 /// The float dtypes the forward cases run in.
 pub const FLOAT_DTYPES: [DType; 4] = [DType::F32, DType::F64, DType::BF16, DType::F16];
@@ -96,14 +96,14 @@ pub fn run_excluding<B: AutodiffBackend>(
 }
 
 /// [`run_excluding`] on a backend with known upstream bugs: a failed case whose name contains
-/// one of `known`'s fragments is reported as [`Outcome::KnownFailure`] with that bug (e.g.
-/// [`KNOWN_CUBECL_0_21`] for burn-cubecl backends, fused or not); a case that passes is passed.
+/// is one of `known`'s cases, failing as listed, is reported as [`Outcome::KnownFailure`] with that bug (e.g.
+/// [`KNOWN_CUBECL_0_21`] for burn-cubecl backends, fused or not); a listed case that passes is [`Outcome::UnexpectedPass`] (counted as passed, reported).
 pub fn run_known<B: AutodiffBackend>(
     device: &B::Device,
     filter: Option<&str>,
     excluded: &[DType],
     why: &str,
-    known: &'static [(&'static str, &'static str)],
+    known: &'static [KnownBug],
 ) -> Report {
     let mut r = Runner::new(filter);
     r.known = known;
