@@ -352,3 +352,148 @@ fn wrapping_a_model_fresh_from_config_init_holds_one_full_parameter_at_a_time() 
         grew as f64 / param as f64
     );
 }
+
+/// A link whose reduce-scatters take `delay` longer than the in-process group's.
+struct SlowReduceScatter {
+    inner: std::sync::Arc<burn_fsdp::LocalGroup>,
+    delay: Duration,
+}
+
+impl burn_fsdp::ProcessGroup<NdArray<f32>> for SlowReduceScatter {
+    fn rank(&self) -> usize {
+        burn_fsdp::ProcessGroup::<NdArray<f32>>::rank(&*self.inner)
+    }
+    fn size(&self) -> usize {
+        burn_fsdp::ProcessGroup::<NdArray<f32>>::size(&*self.inner)
+    }
+    fn stats(&self) -> burn_fsdp::CommStats {
+        burn_fsdp::ProcessGroup::<NdArray<f32>>::stats(&*self.inner)
+    }
+    fn all_gather(
+        &self,
+        input: Tensor<NdArray<f32>, 1>,
+        tag: &burn_fsdp::Tag,
+    ) -> Result<Tensor<NdArray<f32>, 1>, burn_fsdp::CommError> {
+        self.inner.all_gather(input, tag)
+    }
+    fn reduce_scatter(
+        &self,
+        input: Tensor<NdArray<f32>, 1>,
+        op: burn_fsdp::ReduceOp,
+        tag: &burn_fsdp::Tag,
+    ) -> Result<Tensor<NdArray<f32>, 1>, burn_fsdp::CommError> {
+        std::thread::sleep(self.delay);
+        self.inner.reduce_scatter(input, op, tag)
+    }
+    fn all_reduce(
+        &self,
+        input: Tensor<NdArray<f32>, 1>,
+        op: burn_fsdp::ReduceOp,
+        tag: &burn_fsdp::Tag,
+    ) -> Result<Tensor<NdArray<f32>, 1>, burn_fsdp::CommError> {
+        self.inner.all_reduce(input, op, tag)
+    }
+    fn broadcast(
+        &self,
+        input: Tensor<NdArray<f32>, 1>,
+        root: usize,
+        tag: &burn_fsdp::Tag,
+    ) -> Result<Tensor<NdArray<f32>, 1>, burn_fsdp::CommError> {
+        self.inner.broadcast(input, root, tag)
+    }
+    fn barrier(&self, tag: &burn_fsdp::Tag) -> Result<(), burn_fsdp::CommError> {
+        burn_fsdp::ProcessGroup::<NdArray<f32>>::barrier(&*self.inner, tag)
+    }
+    fn abort(&self, reason: &str) {
+        burn_fsdp::ProcessGroup::<NdArray<f32>>::abort(&*self.inner, reason)
+    }
+}
+
+/// One backward over `layers` units of one 256 × 256 weight each at W = 2, with
+/// reduce-scatters 20 ms slower than the backward's compute: the live bytes it adds at its
+/// peak beyond the sharded gradients it returns (half a weight per unit and rank), one weight's
+/// bytes, and the most reduce-scatters that were in flight at once.
+fn backward_peak(layers: usize, max_inflight: usize, reshard: bool) -> (isize, isize, u64) {
+    use burn::nn::Linear;
+    use burn_fsdp::FsdpUnit;
+    const WIDTH: usize = 256;
+    #[derive(Module, Debug)]
+    struct Stack<B: burn::tensor::backend::Backend> {
+        layers: Vec<FsdpUnit<Linear<B>>>,
+    }
+    let probes = burn_fsdp::LocalGroup::new_group(2, Duration::from_secs(60));
+    let baseline = Mutex::new(0isize);
+    let in_flight = launch(2, Duration::from_secs(120), |fsdp_group| {
+        let group = probes[fsdp_group.rank()].clone();
+        let device = Default::default();
+        let model = Stack::<FB> {
+            layers: (0..layers)
+                .map(|_| {
+                    FsdpUnit::new(burn::nn::LinearConfig::new(WIDTH, WIDTH).with_bias(false).init(&device))
+                })
+                .collect(),
+        };
+        let slow =
+            std::sync::Arc::new(SlowReduceScatter { inner: fsdp_group, delay: Duration::from_millis(20) });
+        let mesh = DeviceMesh::new_1d(slow, device);
+        let config = FsdpConfig {
+            max_inflight_reduce_scatters: max_inflight,
+            reshard_after_forward: reshard,
+            ..FsdpConfig::default()
+        };
+        let fsdp = Fsdp::wrap(model, &mesh, config)?;
+        let x = Tensor::<FB, 2>::ones([4, WIDTH], &device);
+        let run = || {
+            fsdp.forward(|m, _| {
+                let mut h = x.clone();
+                for layer in &m.layers {
+                    h = layer.run(h, |l, h| l.forward(h));
+                }
+                h.sum()
+            })
+        };
+        // A warm-up step: lazily created buffers join the baseline.
+        let _ = fsdp.gradients(run().backward());
+        let loss = run();
+        burn_fsdp::ProcessGroup::<NdArray<f32>>::barrier(&*group, &"forward".into())?;
+        if group.rank() == 0 {
+            *baseline.lock().unwrap() = tests::alloc::live();
+            tests::alloc::reset_peak();
+        }
+        burn_fsdp::ProcessGroup::<NdArray<f32>>::barrier(&*group, &"measure".into())?;
+        let grads = fsdp.gradients(loss.backward());
+        burn_fsdp::ProcessGroup::<NdArray<f32>>::barrier(&*group, &"backward".into())?;
+        drop(grads);
+        Ok::<_, burn_fsdp::FsdpError>(fsdp.prefetch_stats().map_or(0, |s| s.max_reduce_scatters_in_flight))
+    })
+    .unwrap();
+    let unit = (WIDTH * WIDTH * 4) as isize;
+    // Both ranks' sharded gradients: half a weight each, per unit.
+    let sharded = layers as isize * unit;
+    let most = in_flight.into_iter().max().unwrap_or(0);
+    (tests::alloc::peak() - *baseline.lock().unwrap() - sharded, unit, most)
+}
+
+/// FSDP2's bound on reduce-scatters in flight. With a link slower than the backward and
+/// parameters kept gathered (no re-gather in backward queues behind the reduce-scatters), an
+/// unbounded queue takes up nearly every unit's full gradient; the default bound keeps 2 in
+/// flight. And under the default config a backward's peak memory beyond the sharded gradients
+/// it returns is the same for 4 and 16 units.
+#[test]
+fn reduce_scatters_in_flight_are_bounded_so_peak_memory_does_not_grow_with_units() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let (_, _, unbounded) = backward_peak(16, usize::MAX, false);
+    let (_, _, bounded) = backward_peak(16, 2, false);
+    let (few, unit, _) = backward_peak(4, 2, true);
+    let (many, _, _) = backward_peak(16, 2, true);
+    let units = |b: isize| b as f64 / unit as f64;
+    eprintln!(
+        "reduce-scatters in flight at most: unbounded {unbounded}, bounded {bounded}; backward peak beyond \
+         the sharded gradients (layer weights, both ranks): 4 units {:.1}, 16 units {:.1}",
+        units(few),
+        units(many)
+    );
+    assert!(unbounded >= 8, "without a bound the queue grows with the units: {unbounded} in flight");
+    assert!(bounded <= 2, "the default bound: {bounded} in flight");
+    assert!((many - few).abs() <= 2 * unit, "peak: 16 units {:.1}, 4 units {:.1}", units(many), units(few));
+}

@@ -117,6 +117,12 @@ pub struct FsdpConfig {
     /// the rank runs on a communication thread ([`crate::fsdp::prefetch`]). `false` runs each
     /// collective on the compute thread when it is needed.
     pub prefetch: bool,
+    /// With `prefetch`, at most this many reduce-scatters in flight on the communication
+    /// thread; a backward that would issue one more first waits for the oldest. Each holds its
+    /// unit's full gradient until it has run, so this bounds communication memory whatever
+    /// the number of units. Default 2: the previous unit's reduce-scatter runs while the next
+    /// is issued, as FSDP2 waits on the previous one.
+    pub max_inflight_reduce_scatters: usize,
 }
 
 impl Default for FsdpConfig {
@@ -128,6 +134,7 @@ impl Default for FsdpConfig {
             mp_policy: MixedPrecisionPolicy::default(),
             offload: OffloadPolicy::default(),
             prefetch: true,
+            max_inflight_reduce_scatters: 2,
         }
     }
 }

@@ -18,6 +18,12 @@
 //!   Burn's own `GradientsParams::from_grads(loss.backward(), fsdp.module())` sees them, as
 //!   [`Fsdp::gradients`](crate::Fsdp::gradients) does. A reduction nobody collected (a backward
 //!   pass without that node) is an error at the next forward, never dropped unnoticed.
+//!   At most [`FsdpConfig::max_inflight_reduce_scatters`](crate::FsdpConfig::max_inflight_reduce_scatters)
+//!   are in flight (default 2): each holds its unit's full gradient until it has run, so a
+//!   backward about to issue one more first waits for the oldest, as FSDP2 waits on the
+//!   previous reduce-scatter. Communication memory does not grow with the number of units
+//!   (`tests/tests/fsdp_memory.rs`: a link 20 ms slower than compute, 16 units — 16 in flight
+//!   without the bound, 2 with it).
 //!
 //! The orders are recorded during the first step (which therefore prefetches nothing), so
 //! any model works without declaring its unit order; if a model runs its units in another
@@ -127,10 +133,17 @@ pub struct PrefetchStats {
     pub async_reduce_scatters: u64,
     /// Nanoseconds the compute thread spent waiting for communication results.
     pub wait_nanos: u64,
+    /// The most reduce-scatters queued or running on the communication thread at once, each
+    /// holding its unit's full gradient (at most
+    /// [`FsdpConfig::max_inflight_reduce_scatters`](crate::FsdpConfig::max_inflight_reduce_scatters)).
+    pub max_reduce_scatters_in_flight: u64,
 }
 
 #[derive(Default)]
 struct Counters {
+    /// Reduce-scatters queued or running now, and the most so far.
+    reduce_scatters_in_flight: Arc<AtomicU64>,
+    max_reduce_scatters_in_flight: AtomicU64,
     forward_prefetched: AtomicU64,
     forward_on_demand: AtomicU64,
     backward_prefetched: AtomicU64,
@@ -158,9 +171,16 @@ struct State<B: Backend> {
     reductions: Vec<Reduction<B>>,
 }
 
-/// A reduce-scatter in flight: its unit, its result (`None` without sync) and where its pieces
-/// go.
-type Reduction<B> = (usize, Pending<Option<Tensor<B, 1>>>, Targets);
+/// A reduce-scatter issued by this backward: its unit, its result (`None` without sync) and
+/// where its pieces go.
+type Reduction<B> = (usize, Flight<B>, Targets);
+
+/// A reduce-scatter on the communication thread, or its result once waited for (the oldest
+/// ones are, when more than the bound are in flight).
+enum Flight<B: Backend> {
+    Waiting(Pending<Option<Tensor<B, 1>>>),
+    Done(Option<Tensor<B, 1>>),
+}
 
 /// What an offloaded unit's reduced shard gradient is handed to, on the communication thread.
 pub(crate) type Deliver<B> = Box<dyn FnOnce(Tensor<B, 1>) + Send>;
@@ -186,6 +206,8 @@ pub(crate) struct Targets {
 /// The overlap machinery of one [`Fsdp`](crate::Fsdp) on one rank.
 pub(crate) struct Prefetcher<B: Backend> {
     worker: CommWorker,
+    /// At most this many reduce-scatters in flight ([`FsdpConfig::max_inflight_reduce_scatters`](crate::FsdpConfig::max_inflight_reduce_scatters)).
+    max_inflight: usize,
     comms: Mutex<Vec<Weak<UnitComm<B>>>>,
     state: Mutex<State<B>>,
     counters: Counters,
@@ -209,10 +231,12 @@ pub(crate) fn flat<B: Backend>(pieces: Vec<B::FloatTensorPrimitive>) -> Tensor<B
 }
 
 impl<B: Backend> Prefetcher<B> {
-    /// A prefetcher for `units` units, with its own communication thread.
-    pub fn new(units: usize, name: &str) -> Arc<Self> {
+    /// A prefetcher for `units` units, with its own communication thread and at most
+    /// `max_inflight` reduce-scatters in flight (at least one).
+    pub fn new(units: usize, name: &str, max_inflight: usize) -> Arc<Self> {
         Arc::new(Self {
             worker: CommWorker::new(name),
+            max_inflight: max_inflight.max(1),
             comms: Mutex::new(Vec::new()),
             state: Mutex::new(State {
                 shards: (0..units).map(|_| None).collect(),
@@ -245,6 +269,7 @@ impl<B: Backend> Prefetcher<B> {
             backward_on_demand: l(&c.backward_on_demand),
             async_reduce_scatters: l(&c.async_reduce_scatters),
             wait_nanos: l(&c.wait_nanos),
+            max_reduce_scatters_in_flight: l(&c.max_reduce_scatters_in_flight),
         }
     }
 
@@ -383,10 +408,38 @@ impl<B: Backend> Prefetcher<B> {
         deliver: Option<Deliver<B>>,
         targets: Targets,
     ) {
+        // Bounded: each one in flight holds its unit's full gradient until it has run. At the
+        // bound, wait for the oldest first (as FSDP2 waits on the previous reduce-scatter),
+        // keeping its small result.
+        loop {
+            let (i, pending) = {
+                let mut st = self.state();
+                let waiting = st.reductions.iter().filter(|r| matches!(r.1, Flight::Waiting(_))).count();
+                let oldest = st.reductions.iter().position(|r| matches!(r.1, Flight::Waiting(_)));
+                match oldest {
+                    Some(i) if waiting >= self.max_inflight => {
+                        match std::mem::replace(&mut st.reductions[i].1, Flight::Done(None)) {
+                            Flight::Waiting(p) => (i, p),
+                            Flight::Done(_) => break,
+                        }
+                    }
+                    _ => break,
+                }
+            };
+            // Waited for without the state's lock; only this (compute) thread changes the list.
+            let g = self.timed_wait(pending);
+            if let Some(r) = self.state().reductions.get_mut(i) {
+                r.1 = Flight::Done(g);
+            }
+        }
         let comm = comm.clone();
         let sync = comm.sync.load(Ordering::SeqCst);
+        let in_flight = self.counters.reduce_scatters_in_flight.clone();
+        let now = in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        self.counters.max_reduce_scatters_in_flight.fetch_max(now, Ordering::Relaxed);
         let pending = self.worker.submit(move || {
             let g = comm.reduce_with(full_grad, sync);
+            in_flight.fetch_sub(1, Ordering::SeqCst);
             match (deliver, g) {
                 (Some(deliver), Some(g)) => {
                     deliver(g);
@@ -396,7 +449,14 @@ impl<B: Backend> Prefetcher<B> {
             }
         });
         self.counters.async_reduce_scatters.fetch_add(1, Ordering::Relaxed);
-        self.state().reductions.push((unit, pending, targets));
+        self.state().reductions.push((unit, Flight::Waiting(pending), targets));
+    }
+
+    fn result(&self, flight: Flight<B>) -> Option<Tensor<B, 1>> {
+        match flight {
+            Flight::Waiting(p) => self.timed_wait(p),
+            Flight::Done(g) => g,
+        }
     }
 
     /// The reduce-scatter of `unit`'s full gradient, waited for (after everything queued
@@ -417,7 +477,7 @@ impl<B: Backend> Prefetcher<B> {
     /// run again on copies of the shards: their pieces are registered by parameter id).
     pub(crate) fn finish_reductions(&self) -> Vec<(usize, Tensor<B, 1>)> {
         let pending = std::mem::take(&mut self.state().reductions);
-        let out = pending.into_iter().filter_map(|(u, p, _)| self.timed_wait(p).map(|g| (u, g))).collect();
+        let out = pending.into_iter().filter_map(|(u, p, _)| self.result(p).map(|g| (u, g))).collect();
         self.end_backward();
         out
     }
@@ -434,7 +494,7 @@ impl<B: Backend> Prefetcher<B> {
     pub(crate) fn collect_into(&self, grads: &mut Gradients) {
         let pending = std::mem::take(&mut self.state().reductions);
         for (_, p, targets) in pending {
-            if let Some(g) = self.timed_wait(p) {
+            if let Some(g) = self.result(p) {
                 register_pieces(grads, g, targets);
             }
         }

@@ -180,8 +180,13 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
             members[u].push(ShardedParam::new(id, path, shape, world));
         }
         let sync = Arc::new(AtomicBool::new(true));
-        let prefetch = (config.prefetch && world > 1)
-            .then(|| Prefetcher::<B::InnerBackend>::new(unit_names.len(), &format!("rank{rank}")));
+        let prefetch = (config.prefetch && world > 1).then(|| {
+            Prefetcher::<B::InnerBackend>::new(
+                unit_names.len(),
+                &format!("rank{rank}"),
+                config.max_inflight_reduce_scatters,
+            )
+        });
         let units = unit_names
             .into_iter()
             .zip(members)
