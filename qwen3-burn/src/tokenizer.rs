@@ -17,8 +17,24 @@ impl Tokenizer {
         if path.is_dir() {
             path = path.join("tokenizer.json");
         }
-        let inner = tokenizers::Tokenizer::from_file(&path)
-            .map_err(|e| Qwen3Error::Tokenizer { path: path.clone(), msg: e.to_string() })?;
+        check_added_tokens(&path)?;
+        // tokenizers 0.22 panics on some malformed files (an `unwrap` in its deserialisers,
+        // found by `tests/tests/fuzz_parsers.rs`): caught, it is an error naming the file.
+        let loaded = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_file(&path));
+        let inner = match loaded {
+            Ok(t) => t.map_err(|e| Qwen3Error::Tokenizer { path: path.clone(), msg: e.to_string() })?,
+            Err(panic) => {
+                let msg = panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                    .unwrap_or_default();
+                return Err(Qwen3Error::Tokenizer {
+                    path,
+                    msg: format!("malformed (the tokenizers crate panicked reading it: {msg})"),
+                });
+            }
+        };
         Ok(Self { inner, path })
     }
 
@@ -45,6 +61,39 @@ impl Tokenizer {
 
     fn err(&self, e: impl std::fmt::Display) -> Qwen3Error {
         Qwen3Error::Tokenizer { path: self.path.clone(), msg: e.to_string() }
+    }
+}
+
+/// The longest added token accepted, in bytes. Real ones are a few dozen (Qwen3's longest of its 26 is
+/// 20); `tokenizers` 0.22 builds its added-vocabulary matcher in time that grows steeply with
+/// a token's length (2.6 s for one of 33 000 bytes, found by `tests/tests/fuzz_parsers.rs`),
+/// so a file with a longer one is refused rather than loaded for seconds or minutes.
+pub const MAX_ADDED_TOKEN_BYTES: usize = 1024;
+
+/// Refuses a `tokenizer.json` with an added token longer than [`MAX_ADDED_TOKEN_BYTES`]
+/// (reading only that list; a file that is not JSON is left to `tokenizers`' own error).
+fn check_added_tokens(path: &std::path::Path) -> Result<()> {
+    #[derive(serde::Deserialize)]
+    struct Added {
+        #[serde(default)]
+        content: String,
+    }
+    #[derive(serde::Deserialize)]
+    struct File {
+        #[serde(default)]
+        added_tokens: Vec<Added>,
+    }
+    let Ok(text) = std::fs::read(path) else { return Ok(()) };
+    let Ok(file) = serde_json::from_slice::<File>(&text) else { return Ok(()) };
+    match file.added_tokens.iter().position(|t| t.content.len() > MAX_ADDED_TOKEN_BYTES) {
+        Some(i) => Err(Qwen3Error::Tokenizer {
+            path: path.to_path_buf(),
+            msg: format!(
+                "added token {i} is {} bytes long; tokens longer than {MAX_ADDED_TOKEN_BYTES} bytes are refused",
+                file.added_tokens[i].content.len()
+            ),
+        }),
+        None => Ok(()),
     }
 }
 
