@@ -24,11 +24,7 @@ impl Tokenizer {
         let inner = match loaded {
             Ok(t) => t.map_err(|e| Qwen3Error::Tokenizer { path: path.clone(), msg: e.to_string() })?,
             Err(panic) => {
-                let msg = panic
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-                    .unwrap_or_default();
+                let msg = burn_fsdp::comm::panic_message(panic.as_ref());
                 return Err(Qwen3Error::Tokenizer {
                     path,
                     msg: format!("malformed (the tokenizers crate panicked reading it: {msg})"),
