@@ -75,7 +75,8 @@ impl<B: FsdpBackend, M: AutodiffModule<B>> Fsdp<B, M> {
     /// [`FsdpStrategy::checkpoints`](crate::learner::FsdpStrategy::checkpoints) writes the same
     /// format per epoch. [`save_sharded`](Self::save_sharded) is the other format: safetensors
     /// with [`TorchAdamW`]'s state, streamed row by row (for models too large to re-slice in
-    /// memory: a load here holds every saved rank's records of the model at once, on the host).
+    /// memory: a load here re-slices every saved rank's records at once as serde values on the
+    /// host, tens of bytes per byte saved).
     ///
     /// # Errors
     /// [`FsdpError::Checkpoint`] naming the file that could not be written (on every rank:
