@@ -271,7 +271,11 @@ pub fn write_safetensors(
     write_atomic(path, &buf)
 }
 
-/// Writes `bytes` to `path` through a temporary file and a rename.
+/// Writes `bytes` to `path` through a temporary file and a rename, then syncs the directory:
+/// a reader sees the old file or the whole new one, never part of it, whenever the writer
+/// dies.
+///
+/// For crash tests, [`CRASH_AT_VAR`] can make the process abort inside one such write.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), IoError> {
     use std::io::Write;
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
@@ -279,8 +283,43 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), IoError> {
     let file_name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let tmp = dir.join(format!(".{file_name}.{}.tmp", std::process::id()));
     let mut f = std::fs::File::create(&tmp).map_err(io_err(&tmp))?;
+    if crash_point(&file_name) {
+        // Half the bytes reach the temporary file, then the process dies as under SIGKILL:
+        // no destructor runs, nothing else is flushed.
+        let _ = f.write_all(&bytes[..bytes.len() / 2]);
+        let _ = f.sync_all();
+        std::process::abort();
+    }
     f.write_all(bytes).map_err(io_err(&tmp))?;
     f.sync_all().map_err(io_err(&tmp))?;
     drop(f);
-    std::fs::rename(&tmp, path).map_err(io_err(path))
+    std::fs::rename(&tmp, path).map_err(io_err(path))?;
+    // The rename itself survives a crash of the machine only once the directory is synced.
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
+}
+
+/// The environment variable of a deterministic crash for tests: `NAME#N` aborts the process
+/// inside its `N`-th atomic write of a file called `NAME` (counting from 1), once half of the
+/// bytes reached the temporary file — e.g. `index.json#3` dies while rank 0 writes the third
+/// checkpoint's index. The crash tests use it to hit points a timed SIGKILL rarely does.
+pub const CRASH_AT_VAR: &str = "BURN_FSDP_CRASH_AT";
+
+/// Whether this write of a file called `file_name` is the one [`CRASH_AT_VAR`] names.
+fn crash_point(file_name: &str) -> bool {
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static TARGET: OnceLock<Option<(String, u64)>> = OnceLock::new();
+    static SEEN: AtomicU64 = AtomicU64::new(0);
+    let target = TARGET.get_or_init(|| {
+        let v = std::env::var(CRASH_AT_VAR).ok()?;
+        let (name, n) = v.rsplit_once('#')?;
+        Some((name.to_owned(), n.parse().ok()?))
+    });
+    match target {
+        Some((name, n)) if name == file_name => SEEN.fetch_add(1, Ordering::SeqCst) + 1 == *n,
+        _ => false,
+    }
 }

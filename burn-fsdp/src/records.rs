@@ -74,10 +74,8 @@ pub(crate) fn index_path(dir: &Path, kind: &str, number: usize) -> PathBuf {
 /// Writes the index atomically (temporary file, then rename).
 pub(crate) fn write_index(dir: &Path, index: &Index) -> Result<(), FsdpError> {
     let path = index_path(dir, &index.kind, index.number);
-    let tmp = path.with_extension("json.tmp");
     let text = serde_json::to_string_pretty(index).map_err(|e| err(&path, e))?;
-    std::fs::write(&tmp, text).map_err(|e| err(&tmp, e))?;
-    std::fs::rename(&tmp, &path).map_err(|e| err(&path, e))
+    write_atomic(&path, text.as_bytes())
 }
 
 /// The index of checkpoint `number` (`kind` `step` or `epoch`).
@@ -117,6 +115,14 @@ pub(crate) fn saved(dir: &Path, kind: &str) -> Vec<usize> {
         .collect();
     out.sort_unstable();
     out
+}
+
+/// [`crate::io::write_atomic`], its error a checkpoint error naming the file it was writing.
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), FsdpError> {
+    crate::io::write_atomic(path, bytes).map_err(|e| match e {
+        crate::io::IoError::Io { path, error } => err(&path, error),
+        e => err(path, e),
+    })
 }
 
 /// A checkpoint error naming `path`.
@@ -178,12 +184,9 @@ fn ids_path(rank_dir: &Path, number: usize) -> PathBuf {
 
 /// Writes a rank's `(parameter id, path)` pairs, atomically.
 pub(crate) fn write_ids(rank_dir: &Path, number: usize, ids: &[(String, String)]) -> Result<(), FsdpError> {
-    std::fs::create_dir_all(rank_dir).map_err(|e| err(rank_dir, e))?;
     let path = ids_path(rank_dir, number);
-    let tmp = path.with_extension("json.tmp");
     let text = serde_json::to_string(ids).map_err(|e| err(&path, e))?;
-    std::fs::write(&tmp, text).map_err(|e| err(&tmp, e))?;
-    std::fs::rename(&tmp, &path).map_err(|e| err(&path, e))
+    write_atomic(&path, text.as_bytes())
 }
 
 /// A saved rank's renaming of its parameter ids to their canonical names.

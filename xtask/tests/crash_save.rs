@@ -2,7 +2,9 @@
 //! points spread over its run — before, between and inside its saves. Every time, `--resume`
 //! of the save directory picks the latest complete checkpoint (a step directory whose
 //! `index.json` was not written is never taken) and trains on bit for bit as the uninterrupted
-//! run did.
+//! run did. The same holds for deterministic crashes inside chosen writes (the `index.json`
+//! of a save, one rank's shard; `BURN_FSDP_CRASH_AT`) and for the multi-process launcher, where
+//! one rank's process dies and the others must end.
 
 mod common;
 
@@ -115,5 +117,143 @@ fn sigkill_at_twenty_points_of_a_saving_run_always_resumes_bit_for_bit() {
          directory without its index (killed inside a save); {finished} runs finished first"
     );
     assert!(finished < KILLS / 2, "most kills must land in the run: {finished} finished first");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// What a resume from `save` gives: `None` when the directory holds no complete checkpoint
+/// (then the resume must fail), else the first step it trained; every step it trained must
+/// equal the uninterrupted run's `want`, to the bit.
+fn resume_bit_for_bit(
+    dir: &Path,
+    save: &Path,
+    want: &BTreeMap<u64, (u64, u64)>,
+    label: &str,
+    launcher: &[&str],
+) -> Option<u64> {
+    let complete = std::fs::read_dir(save)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().join("index.json").is_file())
+        .count();
+    let r = run(
+        dir,
+        &format!("resume-{label}"),
+        &[&["--resume", &save.display().to_string()], launcher].concat(),
+    );
+    if complete == 0 {
+        assert!(!r.status.success(), "{label}: a resume with no complete checkpoint must fail");
+        return None;
+    }
+    assert!(r.status.success(), "{label}: resume failed: {}", text(&r));
+    let got = metrics(&dir.join(format!("resume-{label}.jsonl")));
+    for (step, m) in &got {
+        assert_eq!(Some(m), want.get(step), "{label}: step {step} after resuming differs");
+    }
+    let first = got.keys().next().copied();
+    if first.is_some() {
+        assert_eq!(got.keys().last(), Some(&7), "{label}: the resumed run reached the last step");
+    }
+    first
+}
+
+/// A step directory whose index is missing holds the half-written temporary index of the
+/// crash (or nothing of it): never a file `index.json` with half its bytes.
+fn assert_no_partial_index(save: &Path) {
+    for e in std::fs::read_dir(save).into_iter().flatten().flatten() {
+        let index = e.path().join("index.json");
+        if index.is_file() {
+            let text = std::fs::read_to_string(&index).expect("index");
+            assert!(
+                serde_json::from_str::<serde_json::Value>(&text).is_ok(),
+                "{}: half-written",
+                index.display()
+            );
+        }
+    }
+}
+
+#[test]
+fn deterministic_crashes_inside_the_index_and_a_shard_write_resume_bit_for_bit() {
+    let dir = scratch("crash-points");
+    let full = run(&dir, "full", &[]);
+    assert!(full.status.success(), "{}", text(&full));
+    let want = metrics(&dir.join("full.jsonl"));
+    let mut seen = Vec::new();
+    // In-process (one process: the crash ends every rank) and with one process per rank
+    // (--launcher env: the crashed rank's peers must end too, and the launcher with them).
+    for launcher in [&[][..], &["--launcher", "env"][..]] {
+        for point in ["index.json#1", "index.json#3", "index.json#6", "rank-00002-of-00003.safetensors#4"] {
+            let label = format!("{}-{}", launcher.len(), point.replace('#', "-"));
+            let save = dir.join(format!("save-{label}"));
+            let save_arg = save.display().to_string();
+            let mut args =
+                args(&dir.join(&label), &["--save-dir", &save_arg, "--save-every", "1", "--timeout", "20"]);
+            args.extend(launcher.iter().map(|s| s.to_string()));
+            let start = Instant::now();
+            let o = Command::new(EXE).args(&args).env("BURN_FSDP_CRASH_AT", point).output().expect("xtask");
+            assert!(!o.status.success(), "{label}: the crash point was never reached: {}", text(&o));
+            assert!(start.elapsed().as_secs() < 20, "{label}: the job took {:?} to end", start.elapsed());
+            if !launcher.is_empty() {
+                assert!(text(&o).contains("the job failed"), "{label}: {}", text(&o));
+            }
+            assert_no_partial_index(&save);
+            let from = resume_bit_for_bit(&dir, &save, &want, &label, launcher);
+            seen.push((label, from));
+        }
+    }
+    eprintln!("crash points → first resumed step (None: nothing complete to resume): {seen:?}");
+    // index.json#1 leaves nothing complete; #3 leaves the second save; a shard crash in the
+    // fourth save leaves the third.
+    let firsts: Vec<Option<u64>> = seen.iter().map(|(_, f)| *f).collect();
+    assert_eq!(firsts, [None, Some(2), Some(5), Some(3), None, Some(2), Some(5), Some(3)], "{seen:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn sigkill_of_one_rank_process_at_five_points_resumes_bit_for_bit() {
+    let dir = scratch("crash-env");
+    let save = dir.join("save-full");
+    let save_arg = save.display().to_string();
+    let start = Instant::now();
+    let full = run(&dir, "full", &["--save-dir", &save_arg, "--save-every", "1", "--launcher", "env"]);
+    let took = start.elapsed();
+    assert!(full.status.success(), "{}", text(&full));
+    let want = metrics(&dir.join("full.jsonl"));
+    let mut seen = Vec::new();
+    for k in 0..5 {
+        let at = took.mul_f64(0.3 + 0.6 * k as f64 / 5.0);
+        let save = dir.join(format!("save-{k}"));
+        let save_arg = save.display().to_string();
+        let argv = args(
+            &dir.join(format!("killed-{k}")),
+            &["--save-dir", &save_arg, "--save-every", "1", "--launcher", "env", "--timeout", "20"],
+        );
+        let mut child =
+            Command::new(EXE).args(&argv).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+        std::thread::sleep(at);
+        // The victim: rank k % 3's process, a child of the launcher.
+        let victim = common::descendants(child.id()).into_iter().find(|p| {
+            std::fs::read(format!("/proc/{p}/environ"))
+                .is_ok_and(|e| e.split(|b| *b == 0).any(|kv| kv == format!("RANK={}", k % 3).as_bytes()))
+        });
+        let Some(victim) = victim else {
+            // It finished first: every step was saved.
+            assert!(child.wait().expect("wait").success(), "kill {k}: the run failed on its own");
+            seen.push((k, Some(8)));
+            continue;
+        };
+        let _ = Command::new("kill").args(["-9", &victim.to_string()]).status();
+        let ended = Instant::now();
+        let status = child.wait().expect("wait");
+        assert!(ended.elapsed().as_secs() < 25, "kill {k}: the job took {:?} to end", ended.elapsed());
+        let _ = status;
+        assert_no_partial_index(&save);
+        seen.push((
+            k,
+            resume_bit_for_bit(&dir, &save, &want, &format!("env-kill-{k}"), &["--launcher", "env"]),
+        ));
+    }
+    eprintln!("SIGKILL of rank k % 3 at 5 points over {took:?} → first resumed step: {seen:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -18,9 +18,13 @@
 //!
 //! Failures: a rank whose process dies closes its connection, and rank 0 then fails every
 //! pending and later collective of every rank with [`CommError::PeerFailed`] naming it; if
-//! rank 0 dies, the others see their connection close. A collective that gets no answer
-//! within the timeout returns [`CommError::Stalled`]. [`ProcessGroup::abort`] fails the job
-//! for everybody at once.
+//! rank 0 dies, the others see their connection close. A rank that is alive but silent
+//! (stalled, or cut off by the network) is named too: a collective that some members have not
+//! joined within the timeout of the first one's arrival fails on every rank with
+//! [`CommError::Timeout`] listing them, and a rank that rank 0 cannot write to within the
+//! timeout is declared unreachable. A rank that hears nothing from rank 0 for the timeout
+//! plus a grace (a quarter of it, at most 5 s) fails with `PeerFailed` naming rank 0 as
+//! unreachable. [`ProcessGroup::abort`] fails the job for everybody at once.
 //!
 //! # Example
 //!
@@ -37,7 +41,7 @@
 //! ```
 
 use std::collections::HashMap;
-use std::io::{BufReader, BufWriter, Read, Write};
+use std::io::{BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -131,6 +135,8 @@ const RESPONSE: u8 = 5;
 const FAILED: u8 = 6;
 const ABORT: u8 = 7;
 const BYE: u8 = 8;
+/// The hub's verdict on a round some members did not join within the timeout.
+const TIMED_OUT: u8 = 9;
 const MAGIC: &[u8; 8] = b"bfsdp-t1";
 
 /// The byte exchange used by `split` and `broadcast_bytes` (not a counted collective).
@@ -191,6 +197,39 @@ fn write_frame(w: &mut impl Write, body: &[u8]) -> std::io::Result<()> {
     w.write_all(&(body.len() as u64).to_le_bytes())?;
     w.write_all(body)?;
     w.flush()
+}
+
+/// Writes one frame to `s`, giving up with [`std::io::ErrorKind::TimedOut`] once `limit`
+/// has passed (however the kernel splits the writes): a peer whose link is down or that
+/// stopped reading cannot hold the writer longer.
+fn write_frame_within(s: &TcpStream, body: &[u8], limit: Duration) -> std::io::Result<()> {
+    let deadline = Instant::now() + limit;
+    let len = (body.len() as u64).to_le_bytes();
+    // A small frame goes out in one write (one segment: the socket does not wait to merge).
+    let joined: Vec<u8>;
+    let parts: [&[u8]; 2] = if body.len() <= 64 << 10 {
+        joined = [&len[..], body].concat();
+        [&joined, &[]]
+    } else {
+        [&len, body]
+    };
+    for part in parts {
+        let mut rest = part;
+        while !rest.is_empty() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(std::io::ErrorKind::TimedOut.into());
+            }
+            s.set_write_timeout(Some(left))?;
+            match (&*s).write(rest) {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => rest = &rest[n..],
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    Ok(())
 }
 
 fn read_frame(r: &mut impl Read) -> std::io::Result<Vec<u8>> {
@@ -271,7 +310,8 @@ enum ToHub {
 
 /// Where the hub sends a rank's messages.
 enum Outlet {
-    Remote(BufWriter<TcpStream>),
+    /// A socket, and how long one frame's write may block in all.
+    Remote(TcpStream, Duration),
     /// Rank 0's hub to rank 0's link.
     Local(Sender<Vec<u8>>),
     /// Rank 0's link to its hub.
@@ -279,20 +319,39 @@ enum Outlet {
 }
 
 impl Outlet {
-    fn send(&mut self, body: &[u8]) -> bool {
+    /// Sends one frame; a remote write gives up after the socket's write timeout.
+    fn send(&mut self, body: &[u8]) -> std::io::Result<()> {
+        let gone = || std::io::Error::from(std::io::ErrorKind::BrokenPipe);
         match self {
-            Outlet::Remote(w) => write_frame(w, body).is_ok(),
-            Outlet::Local(tx) => tx.send(body.to_vec()).is_ok(),
-            Outlet::Hub(tx) => tx.send(ToHub::Frame(0, body.to_vec())).is_ok(),
+            Outlet::Remote(w, limit) => write_frame_within(w, body, *limit),
+            Outlet::Local(tx) => tx.send(body.to_vec()).map_err(|_| gone()),
+            Outlet::Hub(tx) => tx.send(ToHub::Frame(0, body.to_vec())).map_err(|_| gone()),
+        }
+    }
+
+    /// Bounds how long a remote frame's write may block.
+    fn set_write_limit(&mut self, t: Duration) {
+        if let Outlet::Remote(_, limit) = self {
+            *limit = t;
         }
     }
 }
 
+/// The requests of one collective call received so far.
+struct Round {
+    /// When the first of them arrived.
+    started: Instant,
+    slots: Vec<Option<Request>>,
+}
+
 struct Hub {
     outlets: Vec<Outlet>,
-    rounds: HashMap<(u64, u64), Vec<Option<Request>>>,
+    rounds: HashMap<(u64, u64), Round>,
     failed: Option<Vec<u8>>,
     left: Vec<bool>,
+    /// A round that some members have not joined this long after it started fails the job,
+    /// naming them.
+    timeout: Duration,
 }
 
 fn failed_frame(rank: usize, reason: &str) -> Vec<u8> {
@@ -301,42 +360,103 @@ fn failed_frame(rank: usize, reason: &str) -> Vec<u8> {
 
 impl Hub {
     fn run(mut self, rx: Receiver<ToHub>) {
-        while let Ok(msg) = rx.recv() {
-            match msg {
-                ToHub::Frame(rank, body) => self.on_frame(rank, &body),
-                ToHub::Closed(rank) => {
+        // How often rounds are checked against the timeout.
+        let tick = (self.timeout / 20).clamp(Duration::from_millis(10), Duration::from_millis(500));
+        loop {
+            match rx.recv_timeout(tick) {
+                Ok(ToHub::Frame(rank, body)) => self.on_frame(rank, &body),
+                Ok(ToHub::Closed(rank)) => {
                     if !self.left[rank] {
                         self.left[rank] = true;
                         self.fail(
                             rank,
                             &format!(
-                                "rank {rank} lost its connection to rank 0 (its process died or was killed)"
+                                "rank {rank} lost its connection to rank 0 (its process died or was killed, or the connection was reset)"
                             ),
                         );
                     }
                 }
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
             }
+            self.check_rounds();
             if self.left.iter().all(|l| *l) {
                 return;
             }
         }
     }
 
-    fn fail(&mut self, rank: usize, reason: &str) {
+    /// Fails the job when a round has waited the timeout for some of its members: they are
+    /// stalled, or the network between them and rank 0 is down. Every rank then errors with
+    /// [`CommError::Timeout`] naming them.
+    fn check_rounds(&mut self) {
         if self.failed.is_some() {
             return;
         }
-        let frame = failed_frame(rank, reason);
+        let Some(round) = self.rounds.values().find(|r| r.started.elapsed() >= self.timeout) else {
+            return;
+        };
+        let Some(first) = round.slots.iter().flatten().next() else { return };
+        let missing: Vec<usize> = round
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.is_none())
+            .filter_map(|(i, _)| first.members.get(i).copied())
+            .collect();
+        let mut frame = Enc::default().u8(TIMED_OUT).u64(missing.len() as u64);
+        for r in &missing {
+            frame = frame.u64(*r as u64);
+        }
+        self.broadcast_failure(frame.0, &missing);
+    }
+
+    fn fail(&mut self, rank: usize, reason: &str) {
+        self.broadcast_failure(failed_frame(rank, reason), &[rank]);
+    }
+
+    /// Sends `frame` to every rank still connected, the `culprits` (which may not be
+    /// reading) after the others.
+    fn broadcast_failure(&mut self, frame: Vec<u8>, culprits: &[usize]) {
+        if self.failed.is_some() {
+            return;
+        }
         // The other processes first, rank 0's own link last: once rank 0 hears of the failure
-        // its process may end, and with it this thread, before a later peer was told.
+        // its process may end, and with it this thread, before a later peer was told. A
+        // culprit that stopped reading holds each write for at most a second.
         let n = self.outlets.len();
-        for r in (1..n).chain(0..n.min(1)) {
+        let order = (1..n)
+            .filter(|r| !culprits.contains(r))
+            .chain(culprits.iter().copied().filter(|r| *r != 0 && *r < n))
+            .chain(0..n.min(1));
+        for r in order {
             if !self.left[r] {
-                self.outlets[r].send(&frame);
+                self.outlets[r].set_write_limit(self.timeout.min(Duration::from_secs(1)));
+                let _ = self.outlets[r].send(&frame);
             }
         }
         self.rounds.clear();
         self.failed = Some(frame);
+    }
+
+    /// Sends `frame` to rank `r`; a rank that cannot take it within the timeout (its link is
+    /// down, or its process stopped reading) fails the job.
+    fn send_to(&mut self, r: usize, frame: &[u8]) {
+        if self.left[r] {
+            return;
+        }
+        if let Err(e) = self.outlets[r].send(frame) {
+            self.left[r] = true;
+            let why = if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
+                format!(
+                    "rank {r} is unreachable: rank 0 could not send to it within {:?} (the network between them is down, or its process is stalled)",
+                    self.timeout
+                )
+            } else {
+                format!("rank {r} lost its connection to rank 0 ({e})")
+            };
+            self.fail(r, &why);
+        }
     }
 
     fn on_frame(&mut self, rank: usize, body: &[u8]) {
@@ -358,7 +478,7 @@ impl Hub {
     fn on_request(&mut self, rank: usize, req: Request) {
         if let Some(frame) = &self.failed {
             let frame = frame.clone();
-            self.outlets[rank].send(&frame);
+            let _ = self.outlets[rank].send(&frame);
             return;
         }
         let Some(pos) = req.members.iter().position(|m| *m == rank) else {
@@ -366,7 +486,11 @@ impl Hub {
                 .fail(rank, &format!("rank {rank} issued {} in a group it is not in", req.describe()));
         };
         let key = (req.gid, req.seq);
-        let slots = self.rounds.entry(key).or_insert_with(|| vec![None; req.members.len()]);
+        let round = self
+            .rounds
+            .entry(key)
+            .or_insert_with(|| Round { started: Instant::now(), slots: vec![None; req.members.len()] });
+        let slots = &mut round.slots;
         if let Some(first) = slots.iter().flatten().next() {
             let same = first.kind == req.kind
                 && first.tag == req.tag
@@ -390,13 +514,17 @@ impl Hub {
         }
         slots[pos] = Some(req);
         if slots.iter().all(|s| s.is_some()) {
-            let reqs: Vec<Request> = self.rounds.remove(&key).into_iter().flatten().flatten().collect();
+            let reqs: Vec<Request> =
+                self.rounds.remove(&key).into_iter().flat_map(|r| r.slots).flatten().collect();
             match complete(&reqs) {
                 Ok(results) => {
                     for (i, (req, data)) in reqs.iter().zip(results).enumerate() {
                         let r = req.members[i];
                         let frame = Enc::default().u8(RESPONSE).u64(req.gid).u64(req.seq).bytes(&data).0;
-                        self.outlets[r].send(&frame);
+                        self.send_to(r, &frame);
+                        if self.failed.is_some() {
+                            return;
+                        }
                     }
                 }
                 Err(msg) => self.fail(reqs[0].members[0], &msg),
@@ -458,10 +586,18 @@ fn complete(reqs: &[Request]) -> Result<Vec<Vec<u8>>, String> {
 // ---------------------------------------------------------------------------------------
 // The link: this process's connection to the hub, shared by all its groups.
 
+/// Why this process's collectives fail from now on.
+enum Failure {
+    /// A rank failed (died, aborted, issued a mismatching collective, could not be reached).
+    Peer(usize, String),
+    /// The hub waited the timeout for these ranks to join a round.
+    Missing(Vec<usize>),
+}
+
 #[derive(Default)]
 struct Inbox {
     responses: HashMap<(u64, u64), Vec<u8>>,
-    failed: Option<(usize, String)>,
+    failed: Option<Failure>,
     closed: bool,
 }
 
@@ -471,6 +607,18 @@ struct Link {
     cv: Condvar,
     hub: Mutex<Option<JoinHandle<()>>>,
     timeout: Duration,
+    /// How long past `timeout` a rank waits for the hub's verdict (the hub times a round
+    /// from the first request it receives, which may have crossed the network after this
+    /// rank's clock started) before it gives up on the hub itself.
+    grace: Duration,
+    /// Whether the hub is in another process (rank 0's): silence then means rank 0 is
+    /// unreachable.
+    remote: bool,
+}
+
+/// [`Link::grace`] of a job of several ranks.
+fn grace(timeout: Duration) -> Duration {
+    (timeout / 4).min(Duration::from_secs(5))
 }
 
 impl Link {
@@ -478,7 +626,7 @@ impl Link {
         self.inbox.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn send(&self, body: &[u8]) -> bool {
+    fn send(&self, body: &[u8]) -> std::io::Result<()> {
         self.out.lock().unwrap_or_else(|p| p.into_inner()).send(body)
     }
 
@@ -495,31 +643,40 @@ impl Link {
             Ok(FAILED) => {
                 let rank = d.u64().unwrap_or(0) as usize;
                 let reason = d.string().unwrap_or_default();
-                inbox.failed.get_or_insert((rank, reason));
+                inbox.failed.get_or_insert(Failure::Peer(rank, reason));
+            }
+            Ok(TIMED_OUT) => {
+                let n = d.u64().unwrap_or(0).min(1 << 20);
+                let missing = (0..n).map_while(|_| d.u64().ok().map(|r| r as usize)).collect();
+                inbox.failed.get_or_insert(Failure::Missing(missing));
             }
             _ => {
-                inbox.failed.get_or_insert((0, "rank 0 sent an unknown message".into()));
+                inbox.failed.get_or_insert(Failure::Peer(0, "rank 0 sent an unknown message".into()));
             }
         }
         self.cv.notify_all();
     }
 
     fn hub_lost(&self) {
+        self.fail_with(
+            "the connection to rank 0 was lost (its process died or was killed, or the connection was reset)",
+        );
+    }
+
+    fn fail_with(&self, reason: &str) {
         let mut inbox = self.inbox();
         if !inbox.closed {
-            inbox.failed.get_or_insert((
-                0,
-                "the connection to rank 0 was lost (its process died or was killed)".into(),
-            ));
+            inbox.failed.get_or_insert(Failure::Peer(0, reason.into()));
         }
         self.cv.notify_all();
     }
 
-    /// A request could not be sent: the connection to rank 0 is gone. What rank 0 sent
-    /// before it went (most likely why it went: another rank's failure) may still be on its
-    /// way through the reader, which reports the loss itself once it has read everything;
-    /// give it a moment before reporting the loss here.
-    fn send_failed(&self) {
+    /// A request could not be sent (`e`): the connection to rank 0 is gone, or nothing
+    /// could be written to it within the timeout. What rank 0 sent before it went (most
+    /// likely why it went: another rank's failure) may still be on its way through the
+    /// reader, which reports the loss itself once it has read everything; give it a moment
+    /// before reporting the loss here.
+    fn send_failed(&self, e: std::io::Error) {
         let deadline = Instant::now() + self.timeout.min(Duration::from_secs(2));
         let mut inbox = self.inbox();
         while inbox.failed.is_none() {
@@ -530,7 +687,14 @@ impl Link {
             inbox = self.cv.wait_timeout(inbox, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
         }
         drop(inbox);
-        self.hub_lost();
+        if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
+            self.fail_with(&format!(
+                "rank 0 is unreachable: nothing could be sent to it within {:?} (the network between them is down, or its process is stalled)",
+                self.timeout
+            ));
+        } else {
+            self.hub_lost();
+        }
     }
 
     /// Waits for the response to `(gid, seq)`.
@@ -541,24 +705,50 @@ impl Link {
         tag: &Tag,
         rank: usize,
     ) -> Result<Vec<u8>, CommError> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = Instant::now() + self.timeout + self.grace;
         let mut inbox = self.inbox();
         loop {
             if let Some(data) = inbox.responses.remove(&key) {
                 return Ok(data);
             }
-            if let Some((failed_rank, reason)) = &inbox.failed {
+            match &inbox.failed {
+                Some(Failure::Peer(failed_rank, reason)) => {
+                    return Err(CommError::PeerFailed {
+                        kind,
+                        tag: tag.clone(),
+                        rank,
+                        failed_rank: *failed_rank,
+                        reason: reason.clone(),
+                    });
+                }
+                Some(Failure::Missing(missing)) => {
+                    return Err(CommError::Timeout {
+                        kind,
+                        tag: tag.clone(),
+                        rank,
+                        missing: missing.clone(),
+                        timeout: self.timeout,
+                    });
+                }
+                None => {}
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                if !self.remote {
+                    return Err(CommError::Stalled { kind, tag: tag.clone(), rank, timeout: self.timeout });
+                }
+                // The hub would have named the missing ranks by now: it is rank 0 that
+                // cannot be heard.
                 return Err(CommError::PeerFailed {
                     kind,
                     tag: tag.clone(),
                     rank,
-                    failed_rank: *failed_rank,
-                    reason: reason.clone(),
+                    failed_rank: 0,
+                    reason: format!(
+                        "rank 0 is unreachable: no answer from it within {:?} (the network between them is down, or its process is stalled)",
+                        self.timeout + self.grace
+                    ),
                 });
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(CommError::Stalled { kind, tag: tag.clone(), rank, timeout: self.timeout });
             }
             inbox = self.cv.wait_timeout(inbox, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
         }
@@ -567,18 +757,25 @@ impl Link {
 
 impl Drop for Link {
     fn drop(&mut self) {
-        self.inbox().closed = true;
-        self.send(&[BYE]);
-        if let Some(hub) = self.hub.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        let failed = {
+            let mut inbox = self.inbox();
+            inbox.closed = true;
+            inbox.failed.is_some()
+        };
+        let _ = self.send(&[BYE]);
+        if let Some(hub) = self.hub.lock().unwrap_or_else(|p| p.into_inner()).take()
+            && !failed
+        {
             // Rank 0 serves the others' last collectives (sub-groups without rank 0 too):
-            // wait until everybody left, but not forever.
+            // wait until everybody left, but not forever. (After a failure there is nothing
+            // left to serve, and an unreachable rank would never leave.)
             let deadline = Instant::now() + self.timeout;
             while !hub.is_finished() && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(5));
             }
         }
-        if let Outlet::Remote(w) = &*self.out.lock().unwrap_or_else(|p| p.into_inner()) {
-            let _ = w.get_ref().shutdown(std::net::Shutdown::Both);
+        if let Outlet::Remote(w, _) = &*self.out.lock().unwrap_or_else(|p| p.into_inner()) {
+            let _ = w.shutdown(std::net::Shutdown::Both);
         }
     }
 }
@@ -697,10 +894,13 @@ fn serve(env: &EnvRank, timeout: Duration) -> Result<Arc<Link>, CommError> {
     let mut outlets = vec![Outlet::Local(own_tx)];
     for (rank, stream) in peers.into_iter().enumerate().skip(1) {
         let Some(stream) = stream else { continue };
-        let mut w = BufWriter::new(stream.try_clone().map_err(|e| io_err("socket", e))?);
-        write_frame(&mut w, &[WELCOME]).map_err(|e| io_err(&format!("greeting rank {rank}"), e))?;
+        let w = stream.try_clone().map_err(|e| io_err("socket", e))?;
+        write_frame_within(&w, &[WELCOME], timeout)
+            .map_err(|e| io_err(&format!("greeting rank {rank}"), e))?;
         let _ = stream.set_read_timeout(None);
-        outlets.push(Outlet::Remote(w));
+        // A rank whose link is down (or whose process stopped reading) holds a write for at
+        // most the timeout; it is then declared unreachable.
+        outlets.push(Outlet::Remote(w, timeout));
         let (tx, tx2) = (hub_tx.clone(), hub_tx.clone());
         // Detached: it ends when the peer closes its connection.
         drop(reader_thread(
@@ -713,7 +913,8 @@ fn serve(env: &EnvRank, timeout: Duration) -> Result<Arc<Link>, CommError> {
             },
         ));
     }
-    let hub = Hub { outlets, rounds: HashMap::new(), failed: None, left: vec![false; env.world_size] };
+    let hub =
+        Hub { outlets, rounds: HashMap::new(), failed: None, left: vec![false; env.world_size], timeout };
     let hub = std::thread::Builder::new()
         .name("fsdp-tcp-hub".into())
         .spawn(move || hub.run(hub_rx))
@@ -726,6 +927,8 @@ fn serve(env: &EnvRank, timeout: Duration) -> Result<Arc<Link>, CommError> {
         cv: Condvar::new(),
         hub: Mutex::new(Some(hub)),
         timeout,
+        grace: grace(timeout),
+        remote: false,
     });
     let weak = Arc::downgrade(&link);
     std::thread::Builder::new()
@@ -777,13 +980,15 @@ fn join(env: &EnvRank, timeout: Duration) -> Result<Arc<Link>, CommError> {
         _ => return Err(start_error(env.rank, "rank 0 sent an unknown answer".into())),
     }
     let _ = stream.set_read_timeout(None);
-    let writer = BufWriter::new(stream.try_clone().map_err(|e| io_err("socket", e))?);
+    let writer = stream.try_clone().map_err(|e| io_err("socket", e))?;
     let link = Arc::new(Link {
-        out: Mutex::new(Outlet::Remote(writer)),
+        out: Mutex::new(Outlet::Remote(writer, timeout)),
         inbox: Mutex::default(),
         cv: Condvar::new(),
         hub: Mutex::new(None),
         timeout,
+        grace: grace(timeout),
+        remote: true,
     });
     let (w1, w2) = (Arc::downgrade(&link), Arc::downgrade(&link));
     let reader = reader_thread(
@@ -852,6 +1057,8 @@ impl TcpGroup {
                 cv: Condvar::new(),
                 hub: Mutex::new(None),
                 timeout,
+                grace: Duration::ZERO,
+                remote: false,
             })
         } else if env.rank == 0 {
             serve(env, timeout)?
@@ -906,8 +1113,8 @@ impl TcpGroup {
             extra,
             data,
         };
-        if !self.link.send(&req.encode()) {
-            self.link.send_failed();
+        if let Err(e) = self.link.send(&req.encode()) {
+            self.link.send_failed(e);
         }
         self.link.wait((self.gid, seq), ckind, tag, self.rank)
     }
@@ -1081,10 +1288,10 @@ impl<B: Backend> ProcessGroup<B> for TcpGroup {
         let global = self.members[self.rank];
         {
             let mut inbox = self.link.inbox();
-            inbox.failed.get_or_insert((global, reason.to_owned()));
+            inbox.failed.get_or_insert(Failure::Peer(global, reason.to_owned()));
         }
         self.link.cv.notify_all();
-        self.link.send(&Enc::default().u8(ABORT).bytes(reason.as_bytes()).0);
+        let _ = self.link.send(&Enc::default().u8(ABORT).bytes(reason.as_bytes()).0);
     }
 }
 
@@ -1299,8 +1506,8 @@ mod tests {
                 std::thread::spawn(move || {
                     let g = TcpGroup::connect(&env(r, 3, port), Duration::from_secs(20)).unwrap();
                     if r == 2 {
-                        if let Outlet::Remote(w) = &*g.link.out.lock().unwrap() {
-                            w.get_ref().shutdown(std::net::Shutdown::Both).unwrap();
+                        if let Outlet::Remote(w, _) = &*g.link.out.lock().unwrap() {
+                            w.shutdown(std::net::Shutdown::Both).unwrap();
                         }
                         return String::new();
                     }
@@ -1314,5 +1521,114 @@ mod tests {
             .collect();
         let out: Vec<String> = handles.into_iter().map(|h| h.join().unwrap()).collect();
         assert!(out[0].contains("rank 2") && out[1].contains("rank 2"), "{out:?}");
+    }
+
+    #[test]
+    fn a_rank_that_stops_issuing_collectives_is_named_by_every_rank_within_the_timeout() {
+        // Rank 2 is alive and connected but stalled (as under SIGSTOP, or with its link down):
+        // the hub names it once the round has waited the timeout.
+        let port = free_port();
+        let timeout = Duration::from_millis(800);
+        let handles: Vec<_> = (0..3)
+            .map(|r| {
+                std::thread::spawn(move || {
+                    let g = TcpGroup::connect(&env(r, 3, port), timeout).unwrap();
+                    if r == 2 {
+                        std::thread::sleep(Duration::from_millis(2500));
+                    }
+                    let started = Instant::now();
+                    let x = Tensor::<B, 1>::from_floats([1.0], &Default::default());
+                    let e = ProcessGroup::<B>::all_reduce(&*g, x, ReduceOp::Sum, &Tag::new("x")).unwrap_err();
+                    (e.to_string(), started.elapsed())
+                })
+            })
+            .collect();
+        let out: Vec<(String, Duration)> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        for (r, (e, took)) in out.iter().enumerate() {
+            assert!(e.contains("rank(s) [2] did not arrive"), "rank {r}: {e}");
+            if r < 2 {
+                assert!(*took >= timeout && *took < timeout * 2, "rank {r} took {took:?}");
+            } else {
+                assert!(*took < Duration::from_millis(200), "the stalled rank hears at once: {took:?}");
+            }
+        }
+    }
+
+    /// A fake rank 0 that welcomes one rank and then does what `then` says with the stream.
+    fn fake_rank0(port: u16, then: impl FnOnce(TcpStream) + Send + 'static) -> JoinHandle<()> {
+        let listener = TcpListener::bind(("127.0.0.1", port)).unwrap();
+        std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            read_frame(&mut s).unwrap();
+            write_frame(&mut s, &[WELCOME]).unwrap();
+            then(s)
+        })
+    }
+
+    #[test]
+    fn a_silent_rank_0_is_named_unreachable_after_the_timeout_and_grace() {
+        let port = free_port();
+        let (tx, rx) = channel::<()>();
+        let hub = fake_rank0(port, move |s| {
+            // Reads nothing, answers nothing, until the test is done.
+            let _ = rx.recv();
+            drop(s);
+        });
+        let timeout = Duration::from_millis(400);
+        let g = TcpGroup::connect(&env(1, 2, port), timeout).unwrap();
+        let started = Instant::now();
+        let x = Tensor::<B, 1>::from_floats([1.0], &Default::default());
+        let e = ProcessGroup::<B>::all_reduce(&*g, x, ReduceOp::Sum, &Tag::new("x")).unwrap_err();
+        let took = started.elapsed();
+        let e = e.to_string();
+        assert!(e.contains("rank 0 failed: rank 0 is unreachable: no answer from it within 500ms"), "{e}");
+        assert!(took >= timeout + grace(timeout) && took < Duration::from_secs(2), "{took:?}");
+        tx.send(()).unwrap();
+        hub.join().unwrap();
+    }
+
+    #[test]
+    fn a_rank_that_stops_reading_is_declared_unreachable_by_rank_0() {
+        // Rank 1 (a raw socket) joins an all-gather of 16 MiB and then reads nothing: the hub's
+        // write of the result blocks until the write timeout, and rank 0 errors naming rank 1.
+        let port = free_port();
+        let timeout = Duration::from_millis(1000);
+        let n = 4 << 20;
+        let rank1 = std::thread::spawn(move || {
+            let mut s = loop {
+                match TcpStream::connect(("127.0.0.1", port)) {
+                    Ok(s) => break s,
+                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                }
+            };
+            let hello = Enc::default().u8(HELLO).bytes(MAGIC).u64(1).u64(2).0;
+            write_frame(&mut s, &hello).unwrap();
+            assert_eq!(read_frame(&mut s).unwrap(), vec![WELCOME]);
+            let req = Request {
+                gid: 0,
+                seq: 1,
+                members: vec![0, 1],
+                kind: CollectiveKind::AllGather.index() as u8,
+                tag: "x".into(),
+                dtype: dtype_code(burn::tensor::DType::F32).unwrap(),
+                elems: n as u64,
+                extra: 0,
+                data: vec![0u8; 4 * n],
+            };
+            write_frame(&mut s, &req.encode()).unwrap();
+            std::thread::sleep(Duration::from_secs(4));
+            drop(s);
+        });
+        let g = TcpGroup::connect(&env(0, 2, port), timeout).unwrap();
+        let x = Tensor::<B, 1>::zeros([n], &Default::default());
+        // Rank 0's result comes first; the hub then blocks writing rank 1's.
+        ProcessGroup::<B>::all_gather(&*g, x, &Tag::new("x")).unwrap();
+        let started = Instant::now();
+        let x = Tensor::<B, 1>::from_floats([1.0], &Default::default());
+        let e = ProcessGroup::<B>::all_reduce(&*g, x, ReduceOp::Sum, &Tag::new("y")).unwrap_err().to_string();
+        assert!(e.contains("rank 1 is unreachable: rank 0 could not send to it within 1s"), "{e}");
+        assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+        drop(g);
+        rank1.join().unwrap();
     }
 }
