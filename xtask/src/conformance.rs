@@ -118,6 +118,7 @@ pub fn run(args: &ConformanceArgs) -> Result<Status> {
         ConformanceBackend::Flex => {
             Status::Ran(burn_conformance::run::<Autodiff<Flex>>(&Default::default(), filter))
         }
+        #[cfg(feature = "metax")]
         ConformanceBackend::MetaxEmu => {
             use burn_metax_backend::MetaxEmuRuntime;
             match MetaxEmuRuntime::first_device() {
@@ -127,6 +128,8 @@ pub fn run(args: &ConformanceArgs) -> Result<Status> {
                 }
             }
         }
+        #[cfg(not(feature = "metax"))]
+        ConformanceBackend::MetaxEmu => not_built("metax-emu", "metax"),
         gpu @ (ConformanceBackend::CudaProxy | ConformanceBackend::Metax) => {
             run_gpu_backend(gpu.name(), filter)?
         }
@@ -176,6 +179,12 @@ pub fn run(args: &ConformanceArgs) -> Result<Status> {
 /// with `--features cuda-proxy`). Reports the backend unavailable, with the reason, when there is
 /// no such device here.
 pub fn run_gpu_backend(name: &str, filter: Option<&str>) -> Result<Status> {
+    #[cfg(not(feature = "metax"))]
+    if name == "metax" {
+        let _ = filter;
+        return Ok(not_built(name, "metax"));
+    }
+    #[cfg(feature = "metax")]
     if name == "metax" {
         use burn_metax_backend::MacaRuntime;
         return Ok(match MacaRuntime::first_device() {
@@ -194,11 +203,17 @@ pub fn run_gpu_backend(name: &str, filter: Option<&str>) -> Result<Status> {
     #[cfg(not(feature = "cuda-proxy"))]
     {
         let _ = filter;
-        Ok(Status::Unavailable(format!(
-            "backend {name}: not available in this build: rebuild with `cargo run -p xtask --features cuda-proxy -- \
-             conformance --backend cuda-proxy` (exit status {EXIT_UNAVAILABLE})"
-        )))
+        Ok(not_built(name, "cuda-proxy"))
     }
+}
+
+/// `backend` is not in this build: the line says which feature brings it.
+#[cfg(not(all(feature = "metax", feature = "cuda-proxy", feature = "burn-cuda")))]
+fn not_built(backend: &str, feature: &str) -> Status {
+    Status::Unavailable(format!(
+        "backend {backend}: not available in this build: rebuild with `cargo run -p xtask --features {feature} -- \
+         conformance --backend {backend}` (exit status {EXIT_UNAVAILABLE})"
+    ))
 }
 
 /// Why f64 cases are skipped under fusion.
@@ -255,10 +270,5 @@ fn run_fused_backend(backend: ConformanceBackend, filter: Option<&str>) -> Statu
 /// Without `burn-cuda`: the fused backends and Burn's CUDA backend are not in this build.
 #[cfg(not(feature = "burn-cuda"))]
 fn run_fused_backend(backend: ConformanceBackend, _filter: Option<&str>) -> Status {
-    Status::Unavailable(format!(
-        "backend {}: not available in this build: rebuild with `cargo run -p xtask --features burn-cuda -- \
-         conformance --backend {}` (exit status {EXIT_UNAVAILABLE})",
-        backend.name(),
-        backend.name()
-    ))
+    not_built(backend.name(), "burn-cuda")
 }

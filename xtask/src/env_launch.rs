@@ -22,10 +22,14 @@ use burn_fsdp::comm::tcp::{EnvRank, TcpGroup};
 
 use crate::launch::{check_job_consistent, shell_words};
 use crate::train::args::{DeviceKind, Precision, TrainArgs};
-use crate::train::ranks::{cpu_rank, fsdp_rank};
+use crate::train::ranks::cpu_rank;
+#[cfg(feature = "metax")]
+use crate::train::ranks::fsdp_rank;
 use crate::train::report::{MetricsSink, default_run_dir};
 use crate::train::setup::Setup;
-use qwen3_burn::trainer::{RankGroups, StepMetrics, Topology};
+use qwen3_burn::trainer::StepMetrics;
+#[cfg(feature = "metax")]
+use qwen3_burn::trainer::{RankGroups, Topology};
 
 /// The environment of rank `rank` of a one-machine job on `port`.
 pub fn rank_env(rank: usize, world: usize, port: u16) -> Vec<(String, String)> {
@@ -238,6 +242,7 @@ impl EnvJob {
 
     /// Rank 0's device-communicator unique id (`make` runs on rank 0 only), sent to every rank
     /// over the job's TCP connection. A rank 0 that cannot make one fails the job for all.
+    #[cfg(feature = "metax")]
     fn unique_id(&self, make: impl FnOnce() -> Result<[u8; 128]>) -> Result<[u8; 128]> {
         let mine = if self.rank() == 0 { Some(make()?.to_vec()) } else { None };
         let bytes =
@@ -246,6 +251,7 @@ impl EnvJob {
     }
 
     /// Flat FSDP on this process's GPU with `group` as the world.
+    #[cfg(feature = "metax")]
     fn device_groups<B: burn::tensor::backend::Backend>(
         &self,
         args: &TrainArgs,
@@ -260,6 +266,7 @@ impl EnvJob {
     }
 
     /// FSDP on MetaX GPU `LOCAL_RANK` with MCCL.
+    #[cfg(feature = "metax")]
     fn train_metax(&self, args: &TrainArgs, setup: Setup, sink: &MetricsSink) -> Result<Vec<StepMetrics>> {
         use burn_metax_backend::collective::{MetaxGroup, mccl_unique_id};
         use burn_metax_backend::mccl::Mccl;
@@ -295,6 +302,11 @@ impl EnvJob {
         type B = burn_metax_backend::CudaProxy<f32>;
         let groups = self.device_groups::<B>(args, Arc::new(group), device)?;
         fsdp_rank::<B>(args, &setup, groups, sink)
+    }
+
+    #[cfg(not(feature = "metax"))]
+    fn train_metax(&self, _: &TrainArgs, _: Setup, _: &MetricsSink) -> Result<Vec<StepMetrics>> {
+        bail!("--device metax needs xtask built with `--features metax` (`cargo xtask-metax …`)")
     }
 
     #[cfg(not(feature = "cuda"))]

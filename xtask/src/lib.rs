@@ -8,6 +8,7 @@ pub mod data;
 pub mod env_launch;
 pub mod generate;
 #[cfg(feature = "cuda-proxy")]
+#[cfg(feature = "metax")]
 pub mod gpu_bench;
 pub mod gpu_pack;
 pub mod headline;

@@ -33,7 +33,7 @@ fn sandbox(name: &str) -> (PathBuf, String) {
         &shim,
         format!(
             "#!/bin/sh\n# `cargo xtask ARGS` as the xtask binary under test.\n\
-             if [ \"$1\" = xtask ]; then shift; exec '{EXE}' \"$@\"; fi\n\
+             case \"$1\" in xtask|xtask-metax|xtask-mpi) shift; exec '{EXE}' \"$@\";; esac\n\
              echo \"cargo shim: only 'cargo xtask' runs here: $*\" >&2; exit 2\n"
         ),
     )
@@ -343,4 +343,46 @@ fn getting_started_runs_as_written() {
     // The tiny models of steps 2–4 are refused by generate, as the page says.
     let (ok, out) = sh(&dir, &path, "cargo xtask generate --checkpoint runs/tiny-a-trained --prompt hi");
     assert!(!ok && out.contains("vocabulary"), "{out}");
+}
+
+/// The first fenced block of `lang` after `heading` in `text`.
+fn block_after(text: &str, heading: &str, lang: &str) -> String {
+    let at = text.find(heading).unwrap_or_else(|| panic!("no section `{heading}`"));
+    let rest = &text[at..];
+    let start =
+        rest.find(&format!("```{lang}\n")).unwrap_or_else(|| panic!("no {lang} block after `{heading}`"));
+    let body = &rest[start + lang.len() + 4..];
+    body[..body.find("```").expect("an unclosed block")].to_owned()
+}
+
+#[test]
+fn the_own_crate_copy_paste_builds_and_trains_outside_the_workspace() {
+    // docs/user-guide.md's dependency lines and program, as a new crate outside the workspace
+    // (its own target directory, the workspace's lock file so that no index is needed).
+    let page = read("docs/user-guide.md");
+    let heading = "## Use burn-fsdp in your own crate";
+    let deps =
+        block_after(&page, heading, "toml").replace("<this repository>", &repo().display().to_string());
+    let program = block_after(&page, heading, "rust");
+    let dir = common::scratch("own-crate");
+    std::fs::create_dir_all(dir.join("src")).expect("src");
+    let manifest =
+        format!("[package]\nname = \"my-trainer\"\nversion = \"0.1.0\"\nedition = \"2024\"\n\n{deps}");
+    std::fs::write(dir.join("Cargo.toml"), manifest).expect("Cargo.toml");
+    std::fs::write(dir.join("src/main.rs"), &program).expect("main.rs");
+    std::fs::copy(repo().join("Cargo.lock"), dir.join("Cargo.lock")).expect("Cargo.lock");
+    assert!(program.lines().count() <= 40, "the program grew: {} lines", program.lines().count());
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let target = repo().join("target/own-crate");
+    let o = Command::new(cargo)
+        .args(["run", "--offline", "--quiet", "--target-dir"])
+        .arg(&target)
+        .current_dir(&dir)
+        .env_remove("CARGO_TARGET_DIR")
+        .env_remove("RUSTFLAGS")
+        .output()
+        .expect("cargo run");
+    let t = common::text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(t.contains("loss over both ranks: 3.9301 → 0.0085"), "{t}");
 }

@@ -153,6 +153,7 @@ fn killing_one_rank_mid_run_ends_the_job_with_an_error_and_no_orphans() {
 }
 
 #[test]
+#[cfg_attr(not(feature = "metax"), ignore = "needs xtask built with the MetaX backend (--features metax)")]
 fn a_gpu_job_without_the_gpu_libraries_fails_on_every_rank_with_the_reason() {
     let out = scratch("env-metax");
     let o = Command::new(EXE)

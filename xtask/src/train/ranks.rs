@@ -11,12 +11,15 @@ use burn::tensor::DType;
 use burn::tensor::backend::Backend as BurnBackend;
 use burn_fsdp::offload::OffloadPolicy;
 use burn_fsdp::{CommError, FsdpConfig, MixedPrecisionPolicy, ProcessGroup};
+#[cfg(feature = "metax")]
 use burn_metax_backend::{MetaxEmu, MetaxEmuDevice};
 use qwen3_burn::trainer::{
     self, Parallelism, RankGroups, SavePolicy, StepMetrics, TrainOptions, split_mesh, train_in_process,
 };
 
-use super::args::{ActivationCheckpointing, CpuBackend, DeviceKind, Precision, TrainArgs};
+#[cfg(feature = "metax")]
+use super::args::DeviceKind;
+use super::args::{ActivationCheckpointing, CpuBackend, Precision, TrainArgs};
 use super::report::MetricsSink;
 use super::setup::Setup;
 use crate::Backend;
@@ -87,6 +90,7 @@ pub fn train_single(args: &TrainArgs, setup: Setup, sink: &MetricsSink) -> Resul
     let options = setup_options(args, &setup)?;
     let Setup { config, model, batches, .. } = &setup;
     Ok(match args.device {
+        #[cfg(feature = "metax")]
         DeviceKind::MetaxEmu => {
             let single = Parallelism::Single(MetaxEmuDevice::new(0));
             trainer::train::<MetaxEmu>(single, config, model, batches, &options, sink)?

@@ -6,11 +6,14 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
+#[cfg(feature = "metax")]
 use burn_metax_backend::{MetaxEmu, MetaxEmuDevice};
 use qwen3_burn::trainer::{StepMetrics, Topology};
 
 use super::args::{CpuBackend, DeviceKind, Launcher, Precision, TrainArgs};
-use super::ranks::{train_fsdp_cpu, train_fsdp_on, train_single};
+#[cfg(feature = "metax")]
+use super::ranks::train_fsdp_on;
+use super::ranks::{train_fsdp_cpu, train_single};
 use super::report::{
     Finished, MetricsSink, compare, default_run_dir, mean_tps, read_reference, write_summary,
 };
@@ -144,6 +147,13 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
         );
     }
     args.collective_timeout()?;
+    if matches!(args.device, DeviceKind::Metax | DeviceKind::MetaxEmu) && !cfg!(feature = "metax") {
+        bail!(
+            "--device {} needs xtask built with the MetaX backend, which the default build leaves out: \
+             run `cargo xtask-metax train-qwen3 …` (or build xtask with `--features metax`)",
+            args.device.name()
+        );
+    }
     if args.dry_run && args.launcher == Launcher::Local {
         bail!("--dry-run prints the command lines of --launcher mpi or env; add one of them");
     }
@@ -189,6 +199,7 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
     {
         bail!("--device {}: {e}", args.device.name());
     }
+    #[cfg(feature = "metax")]
     if args.device == DeviceKind::MetaxEmu {
         check_emu_devices(args)?;
     }
@@ -271,6 +282,7 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
     let metrics = match (args.no_fsdp, args.mixed_precision, &mpi) {
         (true, _, _) => train_single(args, setup, &sink)?,
         (false, precision, Some(m)) => m.train(args, setup, &sink, precision)?,
+        #[cfg(feature = "metax")]
         (false, _, None) if args.device == DeviceKind::MetaxEmu => {
             train_fsdp_on::<MetaxEmu>(args, setup, &sink, MetaxEmuDevice::new)?
         }
@@ -360,6 +372,7 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
 
 /// `--device metax-emu`: one emulated device per in-process rank (or device 0 for `--no-fsdp`);
 /// the flags must fit the emulated devices, and the emulator must be usable (a C++ compiler).
+#[cfg(feature = "metax")]
 fn check_emu_devices(args: &TrainArgs) -> Result<()> {
     if args.launcher != Launcher::Local {
         bail!(
