@@ -135,6 +135,8 @@ struct Proxy {
     stop: Arc<AtomicBool>,
     /// Segments delivered late as "lost", over all connections.
     lost: Arc<AtomicU64>,
+    /// The rank side of every connection it carries.
+    conns: Arc<Mutex<Vec<TcpStream>>>,
 }
 
 impl Drop for Proxy {
@@ -149,13 +151,17 @@ impl Proxy {
         listener.set_nonblocking(true).expect("nonblocking");
         let stop = Arc::new(AtomicBool::new(false));
         let lost = Arc::new(AtomicU64::new(0));
-        let (stop2, lost2) = (stop.clone(), lost.clone());
+        let conns = Arc::new(Mutex::new(Vec::new()));
+        let (stop2, lost2, conns2) = (stop.clone(), lost.clone(), conns.clone());
         std::thread::spawn(move || {
             let mut n = 0;
             while !stop2.load(Ordering::SeqCst) {
                 match listener.accept() {
                     Ok((down, _)) => {
                         n += 1;
+                        if let Ok(c) = down.try_clone() {
+                            conns2.lock().unwrap_or_else(|p| p.into_inner()).push(c);
+                        }
                         let (stop, lost) = (stop2.clone(), lost2.clone());
                         std::thread::spawn(move || carry(down, upstream, faults, seed + n, stop, lost));
                     }
@@ -163,7 +169,15 @@ impl Proxy {
                 }
             }
         });
-        Proxy { stop, lost }
+        Proxy { stop, lost, conns }
+    }
+
+    /// Closes both directions of every connection it carries, with the processes at either
+    /// end still running: each end reads the end of its stream.
+    fn cut_connections(&self) {
+        for c in self.conns.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            let _ = c.shutdown(Shutdown::Both);
+        }
     }
 }
 
@@ -332,6 +346,17 @@ fn wait_all(ranks: Vec<Child>, limit: Duration) -> Vec<(Output, Duration)> {
     outs
 }
 
+/// Rank `k`'s one error line (`error: rank k: …`) holds `named`; prints it.
+fn assert_error_names(outs: &[(Output, Duration)], k: usize, named: &str) {
+    let t = text(&outs[k].0);
+    let line = t
+        .lines()
+        .find(|l| l.starts_with(&format!("error: rank {k}: ")))
+        .unwrap_or_else(|| panic!("no error line of rank {k}: {}", show(outs)));
+    assert!(line.contains(named), "rank {k} should name `{named}`: {line}");
+    println!("{line}");
+}
+
 fn show(outs: &[(Output, Duration)]) -> String {
     outs.iter().enumerate().map(|(k, (o, t))| format!("\n--- rank {k} ({t:?}): {}", text(o))).collect()
 }
@@ -468,12 +493,7 @@ fn a_partition_mid_run_fails_every_rank_within_the_timeout_naming_the_unreachabl
         // The collective timeout plus its grace (a quarter of it) and a step's time.
         assert!(*took < Duration::from_secs(timeout * 3 / 2 + 3), "rank {k} took {took:?}: {}", show(&outs));
         let named = if k == 2 { "rank 0 is unreachable" } else { "rank(s) [2] did not arrive" };
-        let line = t
-            .lines()
-            .find(|l| l.starts_with(&format!("error: rank {k}: ")))
-            .unwrap_or_else(|| panic!("no error line of rank {k}: {}", show(&outs)));
-        assert!(line.contains(named), "rank {k} should name the unreachable rank: {line}");
-        println!("{line}");
+        assert_error_names(&outs, k, named);
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -547,14 +567,8 @@ fn a_stalled_peer_is_named_by_the_others_and_leaves_its_checkpoints_resumable_bi
         [outs[0].1, outs[1].1]
     );
     for (k, (o, _)) in outs.iter().enumerate() {
-        let t = text(o);
         assert!(!o.status.success(), "rank {k} must fail: {}", show(&outs));
-        let line = t
-            .lines()
-            .find(|l| l.starts_with(&format!("error: rank {k}: ")))
-            .unwrap_or_else(|| panic!("no error line of rank {k}: {}", show(&outs)));
-        assert!(line.contains("rank(s) [2] did not arrive"), "rank {k} should name rank 2: {line}");
-        println!("{line}");
+        assert_error_names(&outs, k, "rank(s) [2] did not arrive");
     }
     // After SIGCONT rank 2 ended too; whatever it wrote on its way out, the save directory
     // resumes from its latest complete checkpoint and trains on bit for bit.
@@ -618,5 +632,36 @@ fn a_one_gbit_link_completes_and_prefetch_overlaps_its_transfers() {
             + hidden["backward_gathers_exposed"].as_u64().unwrap_or(0),
         hidden["async_reduce_scatters"],
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+#[cfg_attr(
+    not(netns_tests),
+    ignore = "needs root and iproute2 to build network namespaces (set NETNS_TESTS=1 to force)"
+)]
+fn a_connection_closed_mid_run_with_both_processes_alive_fails_every_rank_at_once() {
+    let _one = serial();
+    let dir = out_dir("cut");
+    let net = Net::new(4, 3);
+    let px = proxies(&net, 3, Faults::default());
+    let timeout = 30;
+    let args = builtin(&dir, &["--steps", "100000", "--timeout", &timeout.to_string()]);
+    let mut ranks: Vec<Child> = (0..3).map(|k| start_rank(&net, k, 3, &args)).collect();
+    wait_for_steps(&dir.join("metrics.jsonl"), 3, &mut ranks);
+    // Rank 2's connection (its proxy is the second): no timeout is needed to notice.
+    px[1].cut_connections();
+    let outs = wait_all(ranks, Duration::from_secs(timeout));
+    println!(
+        "rank 2's connection closed: the ranks ended after {:?}",
+        outs.iter().map(|o| o.1).collect::<Vec<_>>()
+    );
+    for (k, (o, took)) in outs.iter().enumerate() {
+        assert!(!o.status.success(), "rank {k} must fail: {}", show(&outs));
+        assert!(*took < Duration::from_secs(5), "rank {k} took {took:?}: {}", show(&outs));
+        let named =
+            if k == 2 { "the connection to rank 0 was lost" } else { "rank 2 lost its connection to rank 0" };
+        assert_error_names(&outs, k, named);
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
