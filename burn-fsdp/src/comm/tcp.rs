@@ -232,14 +232,28 @@ fn write_frame_within(s: &TcpStream, body: &[u8], limit: Duration) -> std::io::R
     Ok(())
 }
 
+/// Reads one frame. What a peer declares is not taken on trust: a process that is not a rank
+/// (a port scanner, a stale job) sending a huge length costs at most the first 64 MiB until its
+/// bytes arrive, and no length above 1 TiB is accepted.
 fn read_frame(r: &mut impl Read) -> std::io::Result<Vec<u8>> {
+    const FIRST: u64 = 64 << 20;
+    let invalid = |msg: String| std::io::Error::new(std::io::ErrorKind::InvalidData, msg);
     let mut len = [0u8; 8];
     r.read_exact(&mut len)?;
     let len = u64::from_le_bytes(len);
-    let len = usize::try_from(len)
-        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "frame too large"))?;
-    let mut body = vec![0u8; len];
+    if len > 1 << 40 {
+        return Err(invalid(format!("a frame of {len} bytes declared: not a burn-fsdp rank")));
+    }
+    let len = usize::try_from(len).map_err(|_| invalid(format!("a frame of {len} bytes: too large here")))?;
+    // Allocated in two steps, the whole length only once the first 64 MiB arrived (one copy of
+    // them at most).
+    let first = len.min(FIRST as usize);
+    let mut body = vec![0u8; first];
     r.read_exact(&mut body)?;
+    if len > first {
+        body.resize(len, 0);
+        r.read_exact(&mut body[first..])?;
+    }
     Ok(body)
 }
 
@@ -1563,6 +1577,35 @@ mod tests {
             write_frame(&mut s, &[WELCOME]).unwrap();
             then(s)
         })
+    }
+
+    #[test]
+    fn a_stranger_declaring_a_huge_frame_is_refused_and_the_job_starts() {
+        // Before the real rank 1, a process that is not a rank connects to MASTER_PORT and
+        // declares a frame of 2^63 bytes, then closes: rank 0 allocates nothing for it.
+        let port = free_port();
+        let rank0 = std::thread::spawn(move || TcpGroup::connect(&env(0, 2, port), Duration::from_secs(20)));
+        let mut s = loop {
+            match TcpStream::connect(("127.0.0.1", port)) {
+                Ok(s) => break s,
+                Err(_) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        };
+        s.write_all(&(1u64 << 63).to_le_bytes()).unwrap();
+        s.write_all(b"not a rank").unwrap();
+        drop(s);
+        let g1 = TcpGroup::connect(&env(1, 2, port), Duration::from_secs(20)).unwrap();
+        let g0 = rank0.join().unwrap().unwrap();
+        let x = Tensor::<B, 1>::from_floats([1.0], &Default::default());
+        let h = std::thread::spawn(move || {
+            ProcessGroup::<B>::all_reduce(&*g1, x, ReduceOp::Sum, &Tag::new("x")).map(vals)
+        });
+        let y = Tensor::<B, 1>::from_floats([2.0], &Default::default());
+        assert_eq!(
+            vals(ProcessGroup::<B>::all_reduce(&*g0, y, ReduceOp::Sum, &Tag::new("x")).unwrap()),
+            [3.0]
+        );
+        assert_eq!(h.join().unwrap().unwrap(), [3.0]);
     }
 
     #[test]
