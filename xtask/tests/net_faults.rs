@@ -395,6 +395,17 @@ fn wait_for_steps(metrics: &Path, n: usize, ranks: &mut [Child]) {
     }
 }
 
+/// A W = 3 job over a fault-free network of `slot` (the built-in tiny model on synthetic data,
+/// for as long as it takes), once rank 0 logged 3 steps.
+fn training_job(slot: u8, dir: &Path, timeout: u64) -> (Net, Vec<Proxy>, Vec<Child>) {
+    let net = Net::new(slot, 3);
+    let px = proxies(&net, 3, Faults::default());
+    let args = builtin(dir, &["--steps", "100000", "--timeout", &timeout.to_string()]);
+    let mut ranks: Vec<Child> = (0..3).map(|k| start_rank(&net, k, 3, &args)).collect();
+    wait_for_steps(&dir.join("metrics.jsonl"), 3, &mut ranks);
+    (net, px, ranks)
+}
+
 fn out_dir(name: &str) -> PathBuf {
     scratch(&format!("net-{name}"))
 }
@@ -473,13 +484,8 @@ fn tokens_per_step() -> f64 {
 fn a_partition_mid_run_fails_every_rank_within_the_timeout_naming_the_unreachable_rank() {
     let _one = serial();
     let dir = out_dir("partition");
-    let net = Net::new(1, 3);
-    let _px = proxies(&net, 3, Faults::default());
     let timeout = 10;
-    // The built-in tiny model on synthetic data, for as long as it takes.
-    let args = builtin(&dir, &["--steps", "100000", "--timeout", &timeout.to_string()]);
-    let mut ranks: Vec<Child> = (0..3).map(|k| start_rank(&net, k, 3, &args)).collect();
-    wait_for_steps(&dir.join("metrics.jsonl"), 3, &mut ranks);
+    let (net, _px, ranks) = training_job(1, &dir, timeout);
     net.cut(2);
     let outs = wait_all(ranks, Duration::from_secs(3 * timeout));
     println!(
@@ -643,12 +649,8 @@ fn a_one_gbit_link_completes_and_prefetch_overlaps_its_transfers() {
 fn a_connection_closed_mid_run_with_both_processes_alive_fails_every_rank_at_once() {
     let _one = serial();
     let dir = out_dir("cut");
-    let net = Net::new(4, 3);
-    let px = proxies(&net, 3, Faults::default());
     let timeout = 30;
-    let args = builtin(&dir, &["--steps", "100000", "--timeout", &timeout.to_string()]);
-    let mut ranks: Vec<Child> = (0..3).map(|k| start_rank(&net, k, 3, &args)).collect();
-    wait_for_steps(&dir.join("metrics.jsonl"), 3, &mut ranks);
+    let (_net, px, ranks) = training_job(4, &dir, timeout);
     // Rank 2's connection (its proxy is the second): no timeout is needed to notice.
     px[1].cut_connections();
     let outs = wait_all(ranks, Duration::from_secs(timeout));
