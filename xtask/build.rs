@@ -3,8 +3,9 @@
 //! and iproute2. Where it cannot, they are reported as *ignored, with the reason* in cargo's
 //! summary (`#[cfg_attr(not(netns_tests), ignore = "…")]`), never passed.
 //!
-//! `NETNS_TESTS=1` turns them on and `NETNS_TESTS=0` off; unset, this script probes: `ip` runs,
-//! and a network namespace can be made (`unshare --net true`, which leaves nothing behind).
+//! `NETNS_TESTS=1` turns them on and `NETNS_TESTS=0` off; unset, this script probes by doing
+//! what the tests do, once: it adds a named network namespace, a veth pair inside it, and
+//! deletes the namespace again (which deletes the pair).
 
 use std::process::{Command, Stdio};
 
@@ -24,7 +25,19 @@ fn main() {
     let on = match std::env::var("NETNS_TESTS").as_deref() {
         Ok("1") => true,
         Ok("0") => false,
-        _ => succeeds("ip", &["-V"]) && succeeds("unshare", &["--net", "true"]),
+        _ => {
+            let ns = format!("bfsdp-probe-{}", std::process::id());
+            let made = succeeds("ip", &["netns", "add", &ns]);
+            let veth = made
+                && succeeds(
+                    "ip",
+                    &["-n", &ns, "link", "add", "bfp0", "type", "veth", "peer", "name", "bfp1"],
+                );
+            if made {
+                succeeds("ip", &["netns", "delete", &ns]);
+            }
+            veth
+        }
     };
     if on {
         println!("cargo::rustc-cfg=netns_tests");
