@@ -243,9 +243,9 @@ impl LocalGroup {
         let _waiting = Waiting(kind, Instant::now());
         let deadline = Instant::now() + self.shared.timeout;
         loop {
-            if let Some((failed_rank, reason)) = &st.aborted {
-                return Err(self.peer_failed(kind, tag, *failed_rank, reason));
-            }
+            // A round every rank joined has completed, whatever happened after it: a peer
+            // that took its result and then failed must not fail this rank's copy of the
+            // same, finished collective (the failure reaches this rank at its next one).
             let round =
                 st.rounds.get_mut(&seq).ok_or_else(|| self.bad(kind, tag, "round vanished".into()))?;
             if round.arrived == size {
@@ -255,6 +255,9 @@ impl LocalGroup {
                     st.rounds.remove(&seq);
                 }
                 return Ok(inputs);
+            }
+            if let Some((failed_rank, reason)) = &st.aborted {
+                return Err(self.peer_failed(kind, tag, *failed_rank, reason));
             }
             st = self.wait_or_time_out(st, seq, kind, tag, deadline)?;
         }
@@ -359,9 +362,7 @@ impl LocalGroup {
         let deadline = Instant::now() + self.shared.timeout;
         let mut make = Some(make);
         loop {
-            if let Some((failed_rank, reason)) = &st.aborted {
-                return Err(self.peer_failed(kind, tag, *failed_rank, reason));
-            }
+            // As in `exchange`: a finished round is delivered even if a peer failed after it.
             let round =
                 st.rounds.get_mut(&seq).ok_or_else(|| self.bad(kind, tag, "round vanished".into()))?;
             if let Some(output) = &round.output {
@@ -372,6 +373,11 @@ impl LocalGroup {
                 }
                 return Ok(output);
             }
+            if let Some((failed_rank, reason)) = &st.aborted {
+                return Err(self.peer_failed(kind, tag, *failed_rank, reason));
+            }
+            let round =
+                st.rounds.get_mut(&seq).ok_or_else(|| self.bad(kind, tag, "round vanished".into()))?;
             if round.arrived == size
                 && !round.making
                 && round.last != self.rank
@@ -919,6 +925,33 @@ mod tests {
         })
         .unwrap_err();
         assert!(e.message.contains("rank(s) [2] did not arrive"), "{e}");
+    }
+
+    /// A peer that took a finished collective's result and failed at once must not turn that
+    /// collective into an error on the ranks still waking up from it; the failure reaches
+    /// them at their next collective. Made deterministic by letting rank 1 arrive and fail
+    /// under one hold of the lock, while rank 0 waits inside the barrier.
+    #[test]
+    fn a_round_finished_before_a_peer_fails_is_delivered_and_the_failure_comes_next() {
+        let groups = LocalGroup::new_group(2, Duration::from_secs(10));
+        let (g0, g1) = (groups[0].clone(), groups[1].clone());
+        let tag = Tag::new("finished");
+        let waiter = std::thread::spawn(move || {
+            let first = ProcessGroup::<B>::barrier(&*g0, &Tag::new("finished"));
+            let second = ProcessGroup::<B>::barrier(&*g0, &Tag::new("next"));
+            (first, second)
+        });
+        while g1.shared.lock().rounds.is_empty() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let (_, mut st) = g1.arrive(CollectiveKind::Barrier, &tag, Arc::new(()), 0).unwrap();
+        st.aborted = Some((1, "rank 1 gives up".into()));
+        g1.shared.cv.notify_all();
+        drop(st);
+        let (first, second) = waiter.join().unwrap();
+        assert!(first.is_ok(), "the finished barrier is delivered: {first:?}");
+        let e = second.unwrap_err().to_string();
+        assert!(e.contains("rank 1") && e.contains("gives up"), "{e}");
     }
 
     #[test]
