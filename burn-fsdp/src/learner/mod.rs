@@ -24,8 +24,10 @@
 //!   full step's rows), and `InferenceStep::step` inside [`Fsdp::forward_valid`];
 //! - rank 0 renders the metrics of every rank's items (in-process ranks send theirs to rank 0):
 //!   the metric values are those of the global batch, as one device would log them. Over a
-//!   mesh of processes rank 0 renders its own items' metrics (burn-train's items are tensors
-//!   of the user's types, which have no wire format): values of its `1/W` of each batch.
+//!   mesh of processes the same needs [`global_metrics`](FsdpStrategy::global_metrics): each
+//!   step's items are all-gathered as bytes (burn-train's outputs are [`MeshItem`]s; implement
+//!   it for an output of your own). Without it, rank 0 renders its own items' metrics: values
+//!   of its `1/W` of each batch.
 //!
 //! The trained model the `Learner` returns is whole (gathered from the shards), the user's own
 //! model type: `model.save_file(…)` writes a Burn record that single-device code loads.
@@ -51,6 +53,11 @@
 //! - Gradient accumulation (`SupervisedTraining::grads_accumulation`) reduce-scatters every
 //!   micro-batch (same numbers as one device; no communication saved).
 
+mod items;
+
+pub use items::MeshItem;
+
+use std::any::Any;
 use std::path::PathBuf;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
@@ -60,7 +67,7 @@ use burn::data::dataloader::Progress;
 use burn::module::{AutodiffModule, Module, ModuleMapper, Param};
 use burn::optim::GradientsAccumulator;
 use burn::tensor::Tensor;
-use burn::tensor::backend::Backend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn_train::checkpoint::{
     AsyncCheckpointer, CheckpointingAction, CheckpointingStrategy, FileCheckpointer,
 };
@@ -74,6 +81,7 @@ use burn_train::{
 
 use crate::comm::local::LocalGroup;
 use crate::comm::mesh::DeviceMesh;
+use crate::comm::{ProcessGroup, Tag};
 use crate::fsdp::{Fsdp, FsdpConfig, FsdpError};
 use crate::op::FsdpBackend;
 use crate::records;
@@ -105,6 +113,9 @@ pub struct FsdpStrategy<B: FsdpBackend> {
     clip: Option<f64>,
     timeout: Duration,
     checkpoints: Option<PathBuf>,
+    /// How items travel between processes ([`Codec`] of the learner's output types), set by
+    /// converting a [`GlobalMetrics`].
+    codec: Option<Arc<dyn Any + Send + Sync>>,
 }
 
 impl<B: FsdpBackend> std::fmt::Debug for FsdpStrategy<B> {
@@ -117,6 +128,7 @@ impl<B: FsdpBackend> std::fmt::Debug for FsdpStrategy<B> {
             .field("world", &world)
             .field("config", &self.config)
             .field("clip", &self.clip)
+            .field("global_metrics", &self.codec.is_some())
             .finish()
     }
 }
@@ -130,6 +142,7 @@ impl<B: FsdpBackend> FsdpStrategy<B> {
             clip: None,
             timeout: Duration::from_secs(300),
             checkpoints: None,
+            codec: None,
         }
     }
 
@@ -142,12 +155,14 @@ impl<B: FsdpBackend> FsdpStrategy<B> {
             clip: None,
             timeout: Duration::from_secs(300),
             checkpoints: None,
+            codec: None,
         }
     }
 
     /// This process is one rank of `mesh` (built from a [`TcpGroup`](crate::comm::tcp::TcpGroup)
     /// or an MPI group): every process launches the same `SupervisedTraining`. Rank 0 renders
-    /// and logs the metrics of its own items (the other processes' items stay where they are).
+    /// and logs the metrics of its own items (the other processes' items stay where they are),
+    /// or with [`global_metrics`](Self::global_metrics) of every rank's.
     pub fn over_mesh(mesh: DeviceMesh<B::InnerBackend>, config: FsdpConfig) -> Self {
         Self {
             ranks: Ranks::Mesh(mesh),
@@ -155,6 +170,7 @@ impl<B: FsdpBackend> FsdpStrategy<B> {
             clip: None,
             timeout: Duration::from_secs(300),
             checkpoints: None,
+            codec: None,
         }
     }
 
@@ -173,6 +189,21 @@ impl<B: FsdpBackend> FsdpStrategy<B> {
     pub fn checkpoints(mut self, dir: impl Into<PathBuf>) -> Self {
         self.checkpoints = Some(dir.into());
         self
+    }
+
+    /// Over a mesh of processes, rank 0 renders the metrics of every rank's items, as one
+    /// device would log the global batch (in-process ranks always do).
+    ///
+    /// Each step, every rank's output item is all-gathered as bytes (its tensors: for
+    /// burn-train's `ClassificationOutput`, the loss, logits and targets of its rows), so the
+    /// `TrainStep` and `InferenceStep` outputs must be [`MeshItem`]s: burn-train's are;
+    /// implement it for an output type of your own.
+    ///
+    /// ```text
+    /// .with_training_strategy(FsdpStrategy::over_mesh(mesh, config).global_metrics().into())
+    /// ```
+    pub fn global_metrics(self) -> GlobalMetrics<B> {
+        GlobalMetrics(self)
     }
 
     /// How long in-process ranks wait in a collective before failing (default 300 s).
@@ -197,10 +228,82 @@ where
     }
 }
 
-/// What rank 0 receives from the other in-process ranks.
+/// An [`FsdpStrategy`] whose rank 0 renders every rank's items over a mesh of processes
+/// ([`FsdpStrategy::global_metrics`]); it converts into burn-train's `TrainingStrategy` where
+/// the learner's outputs are [`MeshItem`]s.
+#[derive(Clone, Debug)]
+pub struct GlobalMetrics<B: FsdpBackend>(FsdpStrategy<B>);
+
+impl<LC> From<GlobalMetrics<LC::Backend>> for TrainingStrategy<LC>
+where
+    LC: LearningComponentsTypes + 'static,
+    LC::Backend: FsdpBackend,
+    LC::TrainingModel: Send,
+    LC::Optimizer: Send,
+    LC::LrScheduler: Send,
+    TrainOut<LC>: Send + MeshItem<LC::Backend>,
+    ValidOut<LC>: Send + MeshItem<InnerOf<LC>>,
+{
+    fn from(GlobalMetrics(mut strategy): GlobalMetrics<LC::Backend>) -> Self {
+        let codec: CodecOf<LC> = Codec {
+            encode: encode_item::<LC::Backend, TrainOut<LC>, ValidOut<LC>>,
+            decode: decode_item::<LC::Backend, TrainOut<LC>, ValidOut<LC>>,
+        };
+        strategy.codec = Some(Arc::new(codec));
+        TrainingStrategy::Custom(Arc::new(strategy))
+    }
+}
+
+/// What rank 0 receives from the other ranks.
 enum Item<T, V> {
     Train(T),
     Valid(V),
+}
+
+type InnerOf<LC> = <<LC as LearningComponentsTypes>::Backend as AutodiffBackend>::InnerBackend;
+type DeviceOf<LC> = burn::tensor::Device<<LC as LearningComponentsTypes>::Backend>;
+
+/// How the items of a learner travel between processes (made where the output types are
+/// known to be [`MeshItem`]s, kept type-erased in the strategy).
+struct Codec<T, V, D> {
+    encode: fn(&Item<T, V>) -> Vec<u8>,
+    decode: Decode<Item<T, V>, D>,
+}
+
+/// Reads an item written by a `Codec`'s `encode` on `D`.
+type Decode<I, D> = fn(&[u8], &D) -> Result<I, String>;
+
+type CodecOf<LC> = Codec<TrainOut<LC>, ValidOut<LC>, DeviceOf<LC>>;
+
+/// `item` as bytes: a kind byte (0 training, 1 validation), then its tensors.
+fn encode_item<B, T, V>(item: &Item<T, V>) -> Vec<u8>
+where
+    B: AutodiffBackend,
+    T: MeshItem<B>,
+    V: MeshItem<B::InnerBackend>,
+{
+    let (kind, data) = match item {
+        Item::Train(t) => (0u8, t.to_data()),
+        Item::Valid(v) => (1u8, v.to_data()),
+    };
+    let mut out = vec![kind];
+    out.extend(items::encode(&data));
+    out
+}
+
+fn decode_item<B, T, V>(bytes: &[u8], device: &B::Device) -> Result<Item<T, V>, String>
+where
+    B: AutodiffBackend,
+    T: MeshItem<B>,
+    V: MeshItem<B::InnerBackend>,
+{
+    let (kind, rest) = bytes.split_first().ok_or("an empty item")?;
+    let data = items::decode(rest)?;
+    match kind {
+        0 => T::from_data(data, device).map(Item::Train),
+        1 => V::from_data(data, device).map(Item::Valid),
+        k => Err(format!("an item of kind {k} (0 and 1 exist)")),
+    }
 }
 
 type TrainOut<LC> = <<LC as LearningComponentsTypes>::TrainingModel as TrainStep>::Output;
@@ -209,13 +312,55 @@ type ItemOf<LC> = Item<TrainOut<LC>, ValidOut<LC>>;
 
 /// Where a rank's items go.
 enum Sink<LC: LearningComponentsTypes> {
-    /// Rank 0: the event processor, and the other in-process ranks' items.
-    Render { processor: SupervisedTrainingEventProcessor<LC>, peers: Vec<Receiver<ItemOf<LC>>> },
+    /// Rank 0: the event processor, and where the other ranks' items come from.
+    Render { processor: SupervisedTrainingEventProcessor<LC>, peers: Peers<LC> },
     /// Another in-process rank: to rank 0.
     Send(Sender<ItemOf<LC>>),
-    /// Another process: its items are not rendered; it keeps its own processor (its
-    /// `Learner` returns through it).
+    /// Another process, its items all-gathered with rank 0's ([`FsdpStrategy::global_metrics`]);
+    /// it keeps its own processor (its `Learner` returns through it).
+    Gather { processor: SupervisedTrainingEventProcessor<LC>, mesh: MeshItems<LC> },
+    /// Another process: its items are not rendered; it keeps its own processor.
     Quiet(SupervisedTrainingEventProcessor<LC>),
+}
+
+/// Where rank 0 gets the other ranks' items from.
+enum Peers<LC: LearningComponentsTypes> {
+    /// Over a mesh of processes without [`FsdpStrategy::global_metrics`]: nowhere.
+    None,
+    /// The other in-process ranks, in rank order.
+    Threads(Vec<Receiver<ItemOf<LC>>>),
+    /// Every rank of a mesh of processes.
+    Mesh(MeshItems<LC>),
+}
+
+/// The items of every process of a mesh, all-gathered each step.
+struct MeshItems<LC: LearningComponentsTypes> {
+    groups: Vec<Arc<dyn ProcessGroup<InnerOf<LC>>>>,
+    device: DeviceOf<LC>,
+    encode: fn(&ItemOf<LC>) -> Vec<u8>,
+    decode: Decode<ItemOf<LC>, DeviceOf<LC>>,
+}
+
+impl<LC: LearningComponentsTypes> MeshItems<LC> {
+    /// Every rank's item of this step, rank order; this rank's is `item` itself.
+    fn gather(&self, item: ItemOf<LC>) -> Result<Vec<ItemOf<LC>>, FsdpError> {
+        let tag = Tag::new(match item {
+            Item::Train(_) => "learner: training items",
+            Item::Valid(_) => "learner: validation items",
+        });
+        let all = items::all_gather_bytes(&self.groups, (self.encode)(&item), &tag, &self.device)?;
+        let mine = self.groups.iter().fold(0, |acc, g| acc * g.size() + g.rank());
+        let mut item = Some(item);
+        all.iter()
+            .enumerate()
+            .map(|(r, bytes)| match item.take().filter(|_| r == mine) {
+                Some(item) => Ok(item),
+                None => (self.decode)(bytes, &self.device).map_err(|e| {
+                    FsdpError::Config(format!("FsdpStrategy: the item rank {r} sent does not read: {e}"))
+                }),
+            })
+            .collect()
+    }
 }
 
 /// What one rank starts from.
@@ -288,11 +433,24 @@ where
         let processor = components.event_processor;
         let result = match &self.ranks {
             Ranks::Mesh(mesh) => {
-                let rank = mesh.group_at(mesh.ndim() - 1).rank();
-                let sink = if rank == 0 {
-                    Sink::Render { processor, peers: Vec::new() }
-                } else {
-                    Sink::Quiet(processor)
+                let items = match &self.codec {
+                    None => None,
+                    Some(codec) => match codec.downcast_ref::<CodecOf<LC>>() {
+                        Some(codec) => Some(MeshItems::<LC> {
+                            groups: (0..mesh.ndim()).map(|i| mesh.group_at(i).clone()).collect(),
+                            device: mesh.device().clone(),
+                            encode: codec.encode,
+                            decode: codec.decode,
+                        }),
+                        // `GlobalMetrics` makes the codec for the learner it converts into.
+                        None => panic!("FsdpStrategy::global_metrics was made for another learner's types"),
+                    },
+                };
+                let sink = match (mesh.rank(), items) {
+                    (0, Some(items)) => Sink::Render { processor, peers: Peers::Mesh(items) },
+                    (0, None) => Sink::Render { processor, peers: Peers::None },
+                    (_, Some(items)) => Sink::Gather { processor, mesh: items },
+                    (_, None) => Sink::Quiet(processor),
                 };
                 let (w, r) = (mesh.size(), mesh.rank());
                 let input = RankInput { learner, train: shard(train, r, w), valid: shard(valid, r, w), sink };
@@ -305,7 +463,7 @@ where
                 let mut processor = Some(processor);
                 for r in 0..world {
                     let sink = match processor.take() {
-                        Some(processor) => Sink::Render { processor, peers: Vec::new() },
+                        Some(processor) => Sink::Render { processor, peers: Peers::None },
                         None => {
                             let (tx, rx) = channel();
                             receivers.push(rx);
@@ -320,7 +478,7 @@ where
                     inputs.push(Some(RankInput { learner, train, valid, sink }));
                 }
                 if let Some(Some(RankInput { sink: Sink::Render { peers, .. }, .. })) = inputs.first_mut() {
-                    *peers = receivers;
+                    *peers = Peers::Threads(receivers);
                 }
                 let inputs: Vec<Mutex<Option<RankInput<LC>>>> = inputs.into_iter().map(Mutex::new).collect();
                 let devices = devices.clone();
@@ -489,7 +647,9 @@ impl Loop {
         // The whole model, the user's own type: every rank takes part in the gathers.
         let full = fsdp.full_module()?;
         Ok(match sink {
-            Sink::Render { processor, .. } | Sink::Quiet(processor) => Some((full, processor)),
+            Sink::Render { processor, .. } | Sink::Gather { processor, .. } | Sink::Quiet(processor) => {
+                Some((full, processor))
+            }
             Sink::Send(_) => None,
         })
     }
@@ -574,16 +734,33 @@ impl<LC: LearningComponentsTypes> Sink<LC> {
                         processor.process_valid(LearnerEvent::ProcessedItem(item));
                     }
                 };
-                emit(item);
-                for (k, rx) in peers.iter().enumerate() {
-                    match rx.recv() {
-                        Ok(peer) if matches!(peer, Item::Train(_)) == training => emit(peer),
-                        _ => return Err(peer_lost(k + 1)),
+                match peers {
+                    Peers::None => emit(item),
+                    Peers::Threads(peers) => {
+                        emit(item);
+                        for (k, rx) in peers.iter().enumerate() {
+                            match rx.recv() {
+                                Ok(peer) if matches!(peer, Item::Train(_)) == training => emit(peer),
+                                _ => return Err(peer_lost(k + 1)),
+                            }
+                        }
+                    }
+                    Peers::Mesh(mesh) => {
+                        for (r, peer) in mesh.gather(item)?.into_iter().enumerate() {
+                            if matches!(peer, Item::Train(_)) != training {
+                                return Err(FsdpError::Config(format!(
+                                    "FsdpStrategy: rank {r} sent an item of the other phase (training vs \
+                                     validation): the ranks' loops went out of step"
+                                )));
+                            }
+                            emit(peer);
+                        }
                     }
                 }
                 Ok(())
             }
             Sink::Send(tx) => tx.send(item).map_err(|_| peer_lost(0)),
+            Sink::Gather { mesh, .. } => mesh.gather(item).map(|_| ()),
             Sink::Quiet(_) => Ok(()),
         }
     }

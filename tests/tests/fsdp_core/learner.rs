@@ -530,3 +530,69 @@ fn over_a_mesh_each_rank_launches_the_same_setup_and_clipping_applies() {
     let d = max_diff(&logits(&unclipped, &valid), &want);
     assert!(d > 1e-4, "clipping changed nothing ({d:e})");
 }
+
+/// Over a mesh of processes (threads here, each launching its own `SupervisedTraining`),
+/// `global_metrics()` makes rank 0 log what in-process ranks log, the metrics of every rank's
+/// items (the loss and the accuracy, which reads the logits and targets that travelled), line
+/// for line; without it rank 0 logs its own items only.
+#[test]
+fn over_a_mesh_global_metrics_log_every_rank_s_items() {
+    use burn_fsdp::DeviceMesh;
+    use burn_fsdp::comm::local::LocalGroup;
+    use burn_train::metric::AccuracyMetric;
+    use std::time::Duration;
+    const W: usize = 2;
+    let (train, valid) = (samples(SEQ, true, 0), samples(SEQ, true, 1));
+    let model = fixed::<FB, _>(TextNet::new);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let adamw = || AdamWConfig::new().with_weight_decay(0.01);
+    let run = |dir: &Path, strategy: TrainingStrategy<_>| {
+        SupervisedTraining::new(dir, loader::<FB>(train.clone(), BATCH), loader::<IB>(valid.clone(), BATCH))
+            .metrics((LossMetric::new(), AccuracyMetric::new()))
+            .with_training_strategy(strategy)
+            .num_epochs(1)
+            .launch(Learner::new(model.clone(), adamw().init(), 0.01))
+            .model
+    };
+    run(&dir.path().join("in-process"), FsdpStrategy::in_process(W, FsdpConfig::default()).into());
+    for global in [true, false] {
+        let groups = LocalGroup::new_group(W, Duration::from_secs(120));
+        let name = if global { "global" } else { "own" };
+        std::thread::scope(|s| {
+            for (r, group) in groups.into_iter().enumerate() {
+                let dir = dir.path().join(format!("{name}-{r}"));
+                let run = &run;
+                s.spawn(move || {
+                    let strategy = FsdpStrategy::over_mesh(
+                        DeviceMesh::new_1d(group, Default::default()),
+                        FsdpConfig::default(),
+                    );
+                    run(&dir, if global { strategy.global_metrics().into() } else { strategy.into() })
+                });
+            }
+        });
+    }
+    let root = dir.path();
+    let read = |run: &str, file: &str| -> Vec<f64> {
+        let path = root.join(run).join(file);
+        let text = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("{}: {e}; the run wrote {:?}", path.display(), walk(&root.join(run))));
+        text.lines().filter_map(|l| l.split(',').next()?.parse().ok()).collect()
+    };
+    for file in [
+        "train/epoch-1/Loss.log",
+        "valid/epoch-1/Loss.log",
+        "train/epoch-1/Accuracy.log",
+        "valid/epoch-1/Accuracy.log",
+    ] {
+        let want = read("in-process", file);
+        let got = read("global-0", file);
+        assert_eq!(got.len(), want.len(), "{file}: rank 0 logs every rank's items ({} lines)", want.len());
+        assert!(want.len() == ITEMS / BATCH, "{file}: one line per batch of every rank");
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!((g - w).abs() <= 1e-6 * w.abs().max(1.0), "{file} line {i}: {g} vs in-process {w}");
+        }
+        let own = read("own-0", file);
+        assert_eq!(own.len(), want.len() / W, "{file}: without global_metrics rank 0 logs its own items");
+    }
+}
