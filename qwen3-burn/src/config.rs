@@ -234,7 +234,7 @@ impl Qwen3Config {
         v * h + self.num_hidden_layers * layer + h + head
     }
 
-    /// Looks a preset up by name: `tiny`, `0.6b`, `1.7b`, `4b`, `8b`.
+    /// Looks a preset up by name: `tiny`, `0.6b`, `1.7b`, `4b`, `8b`, `32b`.
     pub fn preset(name: &str) -> Option<Self> {
         match name.to_ascii_lowercase().trim_start_matches("qwen3-") {
             "tiny" => Some(Self::tiny()),
@@ -242,6 +242,7 @@ impl Qwen3Config {
             "1.7b" => Some(Self::qwen3_1_7b()),
             "4b" => Some(Self::qwen3_4b()),
             "8b" => Some(Self::qwen3_8b()),
+            "32b" => Some(Self::qwen3_32b()),
             _ => None,
         }
     }
@@ -297,6 +298,11 @@ impl Qwen3Config {
     /// The shapes of Qwen3-8B (untied `lm_head`).
     pub fn qwen3_8b() -> Self {
         Self::qwen3_shape(4096, 12288, 36, 32, false)
+    }
+
+    /// The shapes of Qwen3-32B (untied `lm_head`, 64 query heads, 8 key/value heads).
+    pub fn qwen3_32b() -> Self {
+        Self::qwen3_shape(5120, 25600, 64, 64, false)
     }
 
     /// Builds a randomly initialised model (HF's init: normal(0, 0.02), norms at one).
@@ -393,7 +399,7 @@ mod tests {
     fn json_round_trip_and_presets() {
         let c = parse(TINY_A).unwrap();
         assert_eq!(parse(&c.to_json_string()).unwrap(), c);
-        for name in ["tiny", "0.6b", "Qwen3-1.7B", "4b", "8b"] {
+        for name in ["tiny", "0.6b", "Qwen3-1.7B", "4b", "8b", "32b"] {
             let p = Qwen3Config::preset(name).unwrap();
             p.validate().unwrap();
             assert_eq!(parse(&p.to_json_string()).unwrap(), p);
@@ -403,5 +409,8 @@ mod tests {
         // Qwen3-0.6B has ~0.6B parameters (tied, so the head is not counted twice).
         let n = Qwen3Config::qwen3_0_6b().num_params();
         assert!((590_000_000..610_000_000).contains(&n), "{n}");
+        // Qwen3-32B: 32.8B parameters on its model card.
+        let n = Qwen3Config::qwen3_32b().num_params();
+        assert!((32_700_000_000..32_850_000_000).contains(&n), "{n}");
     }
 }

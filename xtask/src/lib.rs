@@ -16,6 +16,7 @@ pub mod launch;
 pub mod logits;
 #[cfg(feature = "mpi")]
 pub mod mpi_tools;
+pub mod plan;
 pub mod plot;
 pub mod schedule;
 pub mod tokenizer;

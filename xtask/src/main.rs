@@ -29,6 +29,9 @@ enum Command {
     /// The reference run at real size: Qwen3-0.6B, W = 4, this project's FSDP and single device
     /// against PyTorch FSDP2 on the same random checkpoint and batches.
     Headline(xtask::headline::HeadlineArgs),
+    /// Per-rank memory, collective traffic and step time of Qwen3 training on a layout (8 to
+    /// 1024 GPUs): which layouts fit, the best one found.
+    Plan(xtask::plan::PlanArgs),
     /// Backend conformance suite: every op Qwen3 training and FSDP use vs float64 references.
     Conformance(xtask::conformance::ConformanceArgs),
     /// Qwen3 training throughput, MFU and FSDP W=1 overhead on an NVIDIA GPU (CUDA proxy).
@@ -78,6 +81,7 @@ fn main() {
         Command::MpiBench(args) => xtask::mpi_tools::bench(&args),
         Command::Bench(args) => xtask::bench::run(&args).map(|_| ()),
         Command::Headline(args) => xtask::headline::run(&args).map(|_| ()),
+        Command::Plan(args) => xtask::plan::run(&args),
         Command::Generate(args) => xtask::generate::run(&args).map(|text| println!("{text}")),
         Command::Conformance(args) => xtask::conformance::run(&args).map(|status| match status.exit_code() {
             0 => (),

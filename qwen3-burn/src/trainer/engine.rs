@@ -235,16 +235,21 @@ impl<B: Backend, C: CheckpointStrategy> Engine<B, C> {
         }
     }
 
-    /// The collectives issued since `then`, per mesh dimension, and what overlap did (FSDP's
+    /// The collectives issued since `then`, per mesh dimension (calls per kind, and under
+    /// `bytes` the bytes this rank contributed per kind), and what overlap did (FSDP's
     /// communication thread), as JSON.
     pub fn collectives_since(&self, then: &Snapshot) -> Option<serde_json::Value> {
         let Self::Sharded(s) = self else { return None };
         let counts = |now: CommStats, then: CommStats| {
             let d = now.since(&then);
             let mut m = serde_json::Map::new();
+            let mut bytes = serde_json::Map::new();
             for k in CollectiveKind::ALL {
                 m.insert(k.name().to_owned(), d.calls(k).into());
+                bytes.insert(k.name().to_owned(), d.bytes(k).into());
             }
+            // The bytes this rank contributed, per kind (`CommStats::bytes`).
+            m.insert("bytes".to_owned(), serde_json::Value::Object(bytes));
             serde_json::Value::Object(m)
         };
         let names = match s.topology {

@@ -284,7 +284,7 @@ pub enum Precision {
     Bf16,
 }
 
-fn parse_mesh(s: &str) -> std::result::Result<(usize, usize), String> {
+pub(crate) fn parse_mesh(s: &str) -> std::result::Result<(usize, usize), String> {
     let parts: Vec<&str> = s.split(['x', 'X', '×']).map(str::trim).collect();
     let [a, b] = parts[..] else {
         return Err(format!("expected two sizes `AxB` (e.g. `2x2`), got `{s}`"));

@@ -19,6 +19,7 @@ pub(crate) mod report;
 mod run;
 pub(crate) mod setup;
 
+pub(crate) use args::parse_mesh;
 pub use args::{ActivationCheckpointing, CpuBackend, DeviceKind, Launcher, Precision, TrainArgs};
 pub use qwen3_burn::trainer::{LOSS_CHUNK_BYTES, RankGroups, StepMetrics, Topology, export_hf};
 pub use ranks::{
