@@ -128,6 +128,28 @@ pub(super) fn memory_figures(
             format!("{name}_w{world}_rank_between_steps_vs_16psi_over_w"),
             m.between_steps as f64 / m.model_16psi as f64,
         ));
+        // `cargo xtask plan`'s prediction of the same run (issue #46: within 10 %).
+        let layout = crate::plan::model::Layout {
+            mesh: crate::plan::model::Mesh::Flat(world),
+            rows: rows / world,
+            seq: seq + 1,
+            grad_accum: 1,
+            bf16: false,
+            offload: false,
+            activation_checkpointing: false,
+            reshard_after_forward: true,
+        };
+        let planned = crate::plan::model::memory(config, &layout);
+        println!(
+            "[memory {name}] W={world}: cargo xtask plan predicts between steps {:.1} MiB, peak {:.1} MiB",
+            mib(planned.between_steps()),
+            mib(planned.peak()),
+        );
+        figures.push((format!("{name}_w{world}_rank_peak_plan_vs_measured"), planned.peak() / m.peak as f64));
+        figures.push((
+            format!("{name}_w{world}_rank_between_steps_plan_vs_measured"),
+            planned.between_steps() / m.between_steps as f64,
+        ));
         if Some(&world) == worlds.last() {
             figures
                 .push((format!("{name}_w{world}_process_peak_gib"), gib((m.peak * world as isize) as f64)));

@@ -229,34 +229,55 @@ pub fn traffic(c: &Qwen3Config, l: &Layout) -> Vec<Dim> {
 }
 
 /// Per-rank memory, bytes, term by term.
+///
+/// The peak is the larger of two moments: the start of backward (the shards and the optimizer
+/// state, the gathered units, every activation kept for backward, two layers' whole
+/// gradients on their way to the reduce-scatter) and the end of backward
+/// (the shards, the optimizer state and the reduced gradient shards, the root unit still
+/// gathered, its whole gradient in flight to the reduce-scatter). The terms are listed apart;
+/// they do not add up to the peak.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Memory {
     /// fp32 master shards.
     pub parameters: f64,
-    /// fp32 gradient shards.
+    /// fp32 gradient shards (at the end of backward, until the step).
     pub gradients: f64,
     /// AdamW's two moments per shard element.
     pub optimizer: f64,
-    /// Gathered units at the peak: the root (kept from forward to backward), and two layers
-    /// (the one computing and the one prefetched), or every layer when none is resharded.
+    /// Gathered units at the start of backward: the root (kept from forward to backward), and two
+    /// layers (the one computing and the one prefetched), or every layer when none is resharded.
     pub gathered: f64,
-    /// Activations kept for backward at the peak (see [`activations_per_token`]).
+    /// Activations kept for backward (see [`activations_per_token`]), with the chunked loss's
+    /// logits.
     pub activations: f64,
-    /// Communication buffers: two units' whole gradients in flight to the reduce-scatter.
+    /// At the end of backward: the root unit's whole gradient as the reduce-scatter takes it
+    /// (its flat buffer, the gradients of its parameters, and with a tied head the head's
+    /// contribution to the embedding's besides).
     pub comm_buffers: f64,
+    /// At the start of backward: two layers' whole gradients (each its flat buffer and its
+    /// parameters' gradients), the one in flight to its reduce-scatter on the communication
+    /// thread and the one forming.
+    pub layer_gradient: f64,
+    /// The root unit gathered (part of `gathered`, still held at the end of backward).
+    pub root_gathered: f64,
     /// What the host holds with offload (shards, gradients, optimizer state).
     pub host: f64,
 }
 
 impl Memory {
-    /// The device's peak.
+    /// At the start of backward.
+    pub fn start_of_backward(&self) -> f64 {
+        self.parameters + self.optimizer + self.gathered + self.activations + self.layer_gradient
+    }
+
+    /// At the end of backward.
+    pub fn end_of_backward(&self) -> f64 {
+        self.parameters + self.optimizer + self.gradients + self.root_gathered + self.comm_buffers
+    }
+
+    /// The device's peak: the larger of the two moments.
     pub fn peak(&self) -> f64 {
-        self.parameters
-            + self.gradients
-            + self.optimizer
-            + self.gathered
-            + self.activations
-            + self.comm_buffers
+        self.start_of_backward().max(self.end_of_backward())
     }
 
     /// What stays on the device between steps: the shards and the optimizer state.
@@ -306,14 +327,19 @@ pub fn memory(c: &Qwen3Config, l: &Layout) -> Memory {
     let states = (4.0 * shard, 4.0 * shard, 8.0 * shard);
     let (on_device, host) =
         if l.offload { ((0.0, 0.0, 0.0), states.0 + states.1 + states.2) } else { (states, 0.0) };
-    let largest = units.iter().map(full).fold(0.0, f64::max);
+    let root = full(&units[0]);
+    // The root's gradient: its flat buffer and its parameters' gradients (two root sizes),
+    // and a tied head's contribution to the embedding's gradient besides.
+    let tied = if c.tie_word_embeddings { (c.vocab_size * c.hidden_size) as f64 } else { 0.0 };
     Memory {
         parameters: on_device.0,
         gradients: on_device.1,
         optimizer: on_device.2,
-        gathered: (full(&units[0]) + gathered_layers * layer) * compute,
+        gathered: (root + gathered_layers * layer) * compute,
         activations: kept + loss,
-        comm_buffers: 2.0 * largest * 4.0,
+        comm_buffers: (2.0 * root + tied) * 4.0,
+        layer_gradient: 2.0 * 2.0 * layer * 4.0,
+        root_gathered: root * compute,
         host,
     }
 }

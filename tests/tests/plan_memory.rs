@@ -1,0 +1,122 @@
+//! `cargo xtask plan`'s memory model against the live-bytes counters (issue #46): a Qwen3 of
+//! several layers trained by FSDP over W in-process ranks; live bytes between steps and at the
+//! peak, process-wide above the baseline, divided by W, against the plan's per-rank figures.
+//! Counted by a global allocator (this binary holds only this test).
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
+use burn::backend::{Autodiff, NdArray};
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_fsdp::{DeviceMesh, Fsdp, FsdpConfig, LocalGroup, ProcessGroup, TorchAdamWConfig, launch};
+use qwen3_burn::train::{chunked_cross_entropy, inputs_and_labels, loss_chunk_rows};
+use qwen3_burn::{Qwen3, Qwen3Config, Qwen3Init};
+use tests::alloc;
+use xtask::plan::model::{Layout, Mesh, memory};
+
+#[global_allocator]
+static ALLOCATOR: alloc::Counting = alloc::Counting;
+
+type FB = Autodiff<NdArray<f32>, BalancedCheckpointing>;
+
+fn all_stopped(group: &LocalGroup, tag: &str, f: impl FnOnce()) {
+    ProcessGroup::<NdArray<f32>>::barrier(group, &burn_fsdp::Tag::new(format!("{tag}:in"))).unwrap();
+    if group.rank() == 0 {
+        f();
+    }
+    ProcessGroup::<NdArray<f32>>::barrier(group, &burn_fsdp::Tag::new(format!("{tag}:out"))).unwrap();
+}
+
+/// (between steps, peak) live bytes per rank.
+fn measure(config: &Qwen3Config, world: usize, rows: usize, seq: usize) -> (f64, f64) {
+    let init = Qwen3Init::new(0);
+    let readings = Mutex::new((0isize, 0isize));
+    let probes = LocalGroup::new_group(world, Duration::from_secs(600));
+    let baseline = alloc::live();
+    launch(world, Duration::from_secs(600), |fsdp_group| {
+        let group = &probes[fsdp_group.rank()];
+        let device = Default::default();
+        let skeleton = Qwen3::<FB>::new_seeded(config, init, &device);
+        let mesh = DeviceMesh::new_1d(fsdp_group.clone(), device);
+        let mut fsdp = Fsdp::wrap_deferred(
+            skeleton,
+            &mesh,
+            FsdpConfig { units: qwen3_burn::parallelize::fsdp_units(), ..FsdpConfig::default() },
+            &init,
+        )?;
+        let mut optim = TorchAdamWConfig::default().init();
+        all_stopped(group, "wrapped", alloc::reset_peak);
+        for step in 0..2 {
+            let ids: Vec<i64> = (0..rows * seq)
+                .map(|i| ((i * 7919 + step * 104_729 + fsdp_group.rank() * 31) % config.vocab_size) as i64)
+                .collect();
+            let tokens = Tensor::<FB, 2, Int>::from_data(TensorData::new(ids, [rows, seq]), &device);
+            let (inputs, labels) = inputs_and_labels(tokens);
+            let chunk = loss_chunk_rows(config.vocab_size, qwen3_burn::trainer::LOSS_CHUNK_BYTES);
+            let loss = fsdp.forward(|m, r| {
+                chunked_cross_entropy(m.hidden_with(inputs, r), m.head_weight(), labels, chunk)
+            });
+            let grads = fsdp.gradients(loss.backward());
+            fsdp.step(&mut optim, grads);
+            all_stopped(group, "stepped", || {
+                *readings.lock().unwrap() = (alloc::live() - baseline, alloc::peak() - baseline);
+            });
+        }
+        Ok::<_, burn_fsdp::FsdpError>(())
+    })
+    .unwrap();
+    let (between, peak) = readings.into_inner().unwrap();
+    (between as f64 / world as f64, peak as f64 / world as f64)
+}
+
+#[test]
+fn plan_memory_is_within_ten_percent_of_the_live_bytes() {
+    let config = Qwen3Config {
+        vocab_size: 4096,
+        hidden_size: 256,
+        intermediate_size: 768,
+        num_hidden_layers: 4,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 64,
+        ..Qwen3Config::tiny()
+    };
+    for (world, rows, seq) in [(2, 4, 129), (4, 2, 257), (3, 1, 513)] {
+        let (between, peak) = measure(&config, world, rows, seq);
+        let layout = Layout {
+            mesh: Mesh::Flat(world),
+            rows,
+            seq,
+            grad_accum: 1,
+            bf16: false,
+            offload: false,
+            activation_checkpointing: false,
+            reshard_after_forward: true,
+        };
+        let m = memory(&config, &layout);
+        let mib = |b: f64| b / (1u64 << 20) as f64;
+        eprintln!(
+            "W = {world}, {rows} rows × {seq}: between steps {:.2} MiB measured vs {:.2} planned; peak {:.2} vs {:.2} \
+             (params {:.2}, grads {:.2}, optim {:.2}, gathered {:.2}, activations {:.2}, buffers {:.2})",
+            mib(between),
+            mib(m.between_steps()),
+            mib(peak),
+            mib(m.peak()),
+            mib(m.parameters),
+            mib(m.gradients),
+            mib(m.optimizer),
+            mib(m.gathered),
+            mib(m.activations),
+            mib(m.comm_buffers),
+        );
+        let d = |got: f64, want: f64| (got - want).abs() / want;
+        assert!(
+            d(m.between_steps(), between) <= 0.10,
+            "between steps: {} planned vs {between} measured",
+            m.between_steps()
+        );
+        assert!(d(m.peak(), peak) <= 0.10, "peak: {} planned vs {peak} measured", m.peak());
+    }
+}
