@@ -1,7 +1,7 @@
 //! `cargo xtask plan` against measurement (issue #46): the collectives it predicts per rank
 //! and step — calls and bytes of every kind, per mesh dimension — equal what `train-qwen3`'s
 //! `CommStats` count, exactly, on both fixture models (tied and untied heads, shards even and
-//! uneven) over flat FSDP at W = 2, 3, 4, HSDP, data × tensor parallelism, accumulation, bf16,
+//! uneven) over flat FSDP at W = 2, 3, 4, 6, 8, HSDP, data × tensor parallelism, accumulation, bf16,
 //! offload and without resharding.
 #![allow(clippy::unwrap_used)]
 
@@ -67,7 +67,10 @@ fn tiny_a_collectives_are_exactly_as_planned() {
     let l = |mesh| layout(mesh, 8, 33);
     check("qwen3-tiny-a", l(Mesh::Flat(2)), &["--world-size", "2"]);
     check("qwen3-tiny-a", l(Mesh::Flat(4)), &["--world-size", "4"]);
+    check("qwen3-tiny-a", l(Mesh::Flat(8)), &["--world-size", "8"]);
     check("qwen3-tiny-a", l(Mesh::Hsdp { replicate: 2, shard: 2 }), &["--hsdp", "2x2"]);
+    check("qwen3-tiny-a", l(Mesh::Hsdp { replicate: 2, shard: 4 }), &["--hsdp", "2x4"]);
+    check("qwen3-tiny-a", l(Mesh::DpTp { dp: 4, tp: 2 }), &["--mesh", "4x2"]);
     check("qwen3-tiny-a", l(Mesh::DpTp { dp: 2, tp: 2 }), &["--mesh", "2x2"]);
     check(
         "qwen3-tiny-a",
@@ -104,6 +107,8 @@ fn tiny_b_uneven_shards_collectives_are_exactly_as_planned() {
     let l = |mesh| layout(mesh, 12, 25);
     check("qwen3-tiny-b", l(Mesh::Flat(3)), &["--world-size", "3"]);
     check("qwen3-tiny-b", l(Mesh::Flat(4)), &["--world-size", "4"]);
+    check("qwen3-tiny-b", l(Mesh::Flat(6)), &["--world-size", "6"]);
+    check("qwen3-tiny-b", l(Mesh::Hsdp { replicate: 2, shard: 3 }), &["--hsdp", "2x3"]);
     check("qwen3-tiny-b", l(Mesh::Hsdp { replicate: 2, shard: 2 }), &["--hsdp", "2x2"]);
     check("qwen3-tiny-b", l(Mesh::DpTp { dp: 2, tp: 2 }), &["--mesh", "2x2"]);
     check("qwen3-tiny-b", l(Mesh::DpTp { dp: 1, tp: 2 }), &["--mesh", "1x2"]);

@@ -1,6 +1,8 @@
 //! `cargo xtask plan`'s memory model against the live-bytes counters (issue #46): a Qwen3 of
 //! several layers trained by FSDP over W in-process ranks; live bytes between steps and at the
-//! peak, process-wide above the baseline, divided by W, against the plan's per-rank figures.
+//! peak, process-wide above the baseline, divided by W, against the plan's per-rank figures:
+//! within 10 %, over flat FSDP at W = 2, 3, 4 and with accumulation; with block activation
+//! checkpointing the planned peak is an upper bound (see the assertion).
 //! Counted by a global allocator (this binary holds only this test).
 #![allow(clippy::unwrap_used)]
 
@@ -29,8 +31,12 @@ fn all_stopped(group: &LocalGroup, tag: &str, f: impl FnOnce()) {
     ProcessGroup::<NdArray<f32>>::barrier(group, &burn_fsdp::Tag::new(format!("{tag}:out"))).unwrap();
 }
 
-/// (between steps, peak) live bytes per rank.
-fn measure(config: &Qwen3Config, world: usize, rows: usize, seq: usize) -> (f64, f64) {
+/// (between steps, peak) live bytes per rank of two steps of `l` (flat FSDP): `l.rows` rows
+/// per rank and step in `l.grad_accum` micro-batches, with or without block activation
+/// checkpointing.
+fn measure(config: &Qwen3Config, l: &Layout) -> (f64, f64) {
+    let (world, seq, micro) = (l.mesh.world(), l.seq, l.grad_accum);
+    let rows = l.rows / micro;
     let init = Qwen3Init::new(0);
     let readings = Mutex::new((0isize, 0isize));
     let probes = LocalGroup::new_group(world, Duration::from_secs(600));
@@ -48,18 +54,42 @@ fn measure(config: &Qwen3Config, world: usize, rows: usize, seq: usize) -> (f64,
         )?;
         let mut optim = TorchAdamWConfig::default().init();
         all_stopped(group, "wrapped", alloc::reset_peak);
+        let chunk = loss_chunk_rows(config.vocab_size, qwen3_burn::trainer::LOSS_CHUNK_BYTES);
         for step in 0..2 {
-            let ids: Vec<i64> = (0..rows * seq)
-                .map(|i| ((i * 7919 + step * 104_729 + fsdp_group.rank() * 31) % config.vocab_size) as i64)
-                .collect();
-            let tokens = Tensor::<FB, 2, Int>::from_data(TensorData::new(ids, [rows, seq]), &device);
-            let (inputs, labels) = inputs_and_labels(tokens);
-            let chunk = loss_chunk_rows(config.vocab_size, qwen3_burn::trainer::LOSS_CHUNK_BYTES);
-            let loss = fsdp.forward(|m, r| {
-                chunked_cross_entropy(m.hidden_with(inputs, r), m.head_weight(), labels, chunk)
-            });
-            let grads = fsdp.gradients(loss.backward());
-            fsdp.step(&mut optim, grads);
+            let mut grads = None;
+            for m in 0..micro {
+                let ids: Vec<i64> = (0..rows * seq)
+                    .map(|i| {
+                        ((i * 7919 + (step * micro + m) * 104_729 + fsdp_group.rank() * 31)
+                            % config.vocab_size) as i64
+                    })
+                    .collect();
+                let tokens = Tensor::<FB, 2, Int>::from_data(TensorData::new(ids, [rows, seq]), &device);
+                let (inputs, labels) = inputs_and_labels(tokens);
+                fsdp.set_requires_gradient_sync(m + 1 == micro);
+                grads = Some(if l.activation_checkpointing {
+                    let run = fsdp.forward_checkpointed(|model, r| {
+                        chunked_cross_entropy(
+                            model.hidden_with(inputs, r),
+                            model.head_weight(),
+                            labels,
+                            chunk,
+                        )
+                    });
+                    fsdp.backward_checkpointed(run)
+                } else {
+                    let loss = fsdp.forward(|model, r| {
+                        chunked_cross_entropy(
+                            model.hidden_with(inputs, r),
+                            model.head_weight(),
+                            labels,
+                            chunk,
+                        )
+                    });
+                    fsdp.gradients(loss.backward())
+                });
+            }
+            fsdp.step(&mut optim, grads.expect("at least one micro-batch"));
             all_stopped(group, "stepped", || {
                 *readings.lock().unwrap() = (alloc::live() - baseline, alloc::peak() - baseline);
             });
@@ -83,23 +113,35 @@ fn plan_memory_is_within_ten_percent_of_the_live_bytes() {
         head_dim: 64,
         ..Qwen3Config::tiny()
     };
-    for (world, rows, seq) in [(2, 4, 129), (4, 2, 257), (3, 1, 513)] {
-        let (between, peak) = measure(&config, world, rows, seq);
-        let layout = Layout {
-            mesh: Mesh::Flat(world),
-            rows,
-            seq,
-            grad_accum: 1,
-            bf16: false,
-            offload: false,
-            activation_checkpointing: false,
-            reshard_after_forward: true,
-        };
+    let flat = |world, rows, seq| Layout {
+        mesh: Mesh::Flat(world),
+        rows,
+        seq,
+        grad_accum: 1,
+        bf16: false,
+        offload: false,
+        activation_checkpointing: false,
+        reshard_after_forward: true,
+    };
+    let cases = [
+        flat(2, 4, 129),
+        flat(4, 2, 257),
+        flat(3, 1, 513),
+        // Two micro-batches: the first one's unsharded gradients stay through the second.
+        Layout { grad_accum: 2, ..flat(2, 4, 129) },
+        // Each layer's input kept, one layer's activations while it runs again.
+        Layout { activation_checkpointing: true, ..flat(2, 4, 257) },
+    ];
+    for layout in cases {
+        let (world, rows, seq) = (layout.mesh.world(), layout.rows, layout.seq);
+        let (between, peak) = measure(&config, &layout);
         let m = memory(&config, &layout);
         let mib = |b: f64| b / (1u64 << 20) as f64;
         eprintln!(
-            "W = {world}, {rows} rows × {seq}: between steps {:.2} MiB measured vs {:.2} planned; peak {:.2} vs {:.2} \
+            "W = {world}, {rows} rows × {seq}, {} micro-batch(es), checkpointing {}: between steps {:.2} MiB measured vs {:.2} planned; peak {:.2} vs {:.2} \
              (params {:.2}, grads {:.2}, optim {:.2}, gathered {:.2}, activations {:.2}, buffers {:.2})",
+            layout.grad_accum,
+            layout.activation_checkpointing,
             mib(between),
             mib(m.between_steps()),
             mib(peak),
@@ -117,6 +159,18 @@ fn plan_memory_is_within_ten_percent_of_the_live_bytes() {
             "between steps: {} planned vs {between} measured",
             m.between_steps()
         );
-        assert!(d(m.peak(), peak) <= 0.10, "peak: {} planned vs {peak} measured", m.peak());
+        if layout.activation_checkpointing {
+            // The plan counts the loss's logits and a recomputed layer's activations as live
+            // together; they are not (the loss's backward ends before the first layer runs
+            // again), so its peak is an upper bound here: never below the measurement, and at
+            // most 20 % above it.
+            assert!(
+                m.peak() >= peak && m.peak() <= 1.2 * peak,
+                "checkpointed peak: {} planned vs {peak} measured",
+                m.peak()
+            );
+        } else {
+            assert!(d(m.peak(), peak) <= 0.10, "peak: {} planned vs {peak} measured", m.peak());
+        }
     }
 }

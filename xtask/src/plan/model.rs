@@ -258,6 +258,10 @@ pub struct Memory {
     /// parameters' gradients), the one in flight to its reduce-scatter on the communication
     /// thread and the one forming.
     pub layer_gradient: f64,
+    /// With accumulation (`grad_accum` > 1): every unit's unsharded gradient, kept on the
+    /// device from the first micro-batch's backward to the last one's (FSDP2's
+    /// `set_requires_gradient_sync(false)`), in the compute dtype.
+    pub accumulated: f64,
     /// The root unit gathered (part of `gathered`, still held at the end of backward).
     pub root_gathered: f64,
     /// What the host holds with offload (shards, gradients, optimizer state).
@@ -267,7 +271,12 @@ pub struct Memory {
 impl Memory {
     /// At the start of backward.
     pub fn start_of_backward(&self) -> f64 {
-        self.parameters + self.optimizer + self.gathered + self.activations + self.layer_gradient
+        self.parameters
+            + self.optimizer
+            + self.gathered
+            + self.activations
+            + self.layer_gradient
+            + self.accumulated
     }
 
     /// At the end of backward.
@@ -339,6 +348,7 @@ pub fn memory(c: &Qwen3Config, l: &Layout) -> Memory {
         activations: kept + loss,
         comm_buffers: (2.0 * root + tied) * 4.0,
         layer_gradient: 2.0 * 2.0 * layer * 4.0,
+        accumulated: if l.grad_accum > 1 { units.iter().map(full).sum::<f64>() * compute } else { 0.0 },
         root_gathered: root * compute,
         host,
     }
