@@ -324,3 +324,29 @@ fn uncollected_reduce_scatters_are_an_error_not_a_silent_step() {
         }
     }
 }
+
+/// The checkpointed forward reports what the plain one reports, as an error of
+/// `try_forward_checkpointed`: uncollected gradients of the previous backward, once; the
+/// checkpointed step after it is whole.
+#[test]
+fn try_forward_checkpointed_returns_uncollected_gradients_as_an_error() {
+    let errors = launch(2, Duration::from_secs(30), |group| {
+        let (mut fsdp, x, y) = wrapped_with_rows(group)?;
+        let run = fsdp.forward_checkpointed(|m, r| m.loss(x.clone(), y.clone(), r));
+        drop(run.gradients(fsdp.module()));
+        let err = fsdp
+            .try_forward_checkpointed(|m, r| m.loss(x.clone(), y.clone(), r))
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        let run = fsdp.try_forward_checkpointed(|m, r| m.loss(x, y, r))?;
+        let grads = fsdp.backward_checkpointed(run);
+        let mut adam = AdamWConfig::new().init();
+        fsdp.step_with(&mut adam, 0.01, grads)?;
+        Ok::<_, burn_fsdp::FsdpError>(err)
+    })
+    .unwrap();
+    for e in errors {
+        assert!(e.contains("never collected") && e.contains("Fsdp::backward_checkpointed"), "{e}");
+    }
+}

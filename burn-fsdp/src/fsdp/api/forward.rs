@@ -79,14 +79,30 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     /// until backward ends.
     ///
     /// # Panics
-    /// As [`forward`](Self::forward).
+    /// As [`forward`](Self::forward), and when the previous backward's gradients were never
+    /// collected; [`try_forward_checkpointed`](Self::try_forward_checkpointed) returns these as
+    /// errors.
     pub fn forward_checkpointed<'s>(
         &'s self,
         f: impl FnOnce(&M, &mut CheckpointRunner<'s, B, FsdpRunner<'s, B, M>>) -> Tensor<B, 1>,
     ) -> Checkpointed<'s, B> {
-        if let Err(e) = self.begin_forward() {
-            panic!("{e}");
+        match self.try_forward_checkpointed(f) {
+            Ok(run) => run,
+            Err(e) => panic!("{e}"),
         }
+    }
+
+    /// [`forward_checkpointed`](Self::forward_checkpointed), returning an error where it
+    /// panics: [`FsdpError::GradientsNotCollected`] when the previous backward's
+    /// reduce-scatters were never collected, [`FsdpError::UnitNotRun`] and
+    /// [`FsdpError::UnitsMixed`] as [`try_forward`](Self::try_forward) does. Other panics of
+    /// `f` propagate unchanged, among them a failed collective's
+    /// [`CollectiveFailure`](crate::CollectiveFailure).
+    pub fn try_forward_checkpointed<'s>(
+        &'s self,
+        f: impl FnOnce(&M, &mut CheckpointRunner<'s, B, FsdpRunner<'s, B, M>>) -> Tensor<B, 1>,
+    ) -> Result<Checkpointed<'s, B>, FsdpError> {
+        self.begin_forward()?;
         // The segmented backward's reductions are collected by `backward_checkpointed`.
         let (root, roots) = if self.units[0].params.is_empty() || self.bypass() {
             (self.module.clone(), Vec::new())
@@ -116,8 +132,8 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         let between: Option<Box<dyn Fn() + 's>> =
             blocking.then(|| Box::new(move || self.barrier_all("checkpointed-backward")) as _);
         match result {
-            Ok(loss) => Checkpointed::new(loss, runner, roots, between),
-            Err(payload) => panic!("{}", self.forward_failed(&runner.inner.ran(), payload)),
+            Ok(loss) => Ok(Checkpointed::new(loss, runner, roots, between)),
+            Err(payload) => Err(self.forward_failed(&runner.inner.ran(), payload)),
         }
     }
 
