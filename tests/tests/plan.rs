@@ -49,16 +49,7 @@ fn check(case: &str, layout: Layout, extra: &[&str]) {
 }
 
 fn layout(mesh: Mesh, rows_per_step: usize, seq: usize) -> Layout {
-    Layout {
-        mesh,
-        rows: rows_per_step / mesh.data_parallel(),
-        seq,
-        grad_accum: 1,
-        bf16: false,
-        offload: false,
-        activation_checkpointing: false,
-        reshard_after_forward: true,
-    }
+    Layout::new(mesh, rows_per_step / mesh.data_parallel(), seq)
 }
 
 /// tiny-a: tied head, 8 rows × 33 tokens per step, every shard even at W = 2 and 4.

@@ -113,16 +113,7 @@ fn plan_memory_is_within_ten_percent_of_the_live_bytes() {
         head_dim: 64,
         ..Qwen3Config::tiny()
     };
-    let flat = |world, rows, seq| Layout {
-        mesh: Mesh::Flat(world),
-        rows,
-        seq,
-        grad_accum: 1,
-        bf16: false,
-        offload: false,
-        activation_checkpointing: false,
-        reshard_after_forward: true,
-    };
+    let flat = |world, rows, seq| Layout::new(Mesh::Flat(world), rows, seq);
     let cases = [
         flat(2, 4, 129),
         flat(4, 2, 257),

@@ -129,16 +129,8 @@ pub(super) fn memory_figures(
             m.between_steps as f64 / m.model_16psi as f64,
         ));
         // `cargo xtask plan`'s prediction of the same run (issue #46: within 10 %).
-        let layout = crate::plan::model::Layout {
-            mesh: crate::plan::model::Mesh::Flat(world),
-            rows: rows / world,
-            seq: seq + 1,
-            grad_accum: 1,
-            bf16: false,
-            offload: false,
-            activation_checkpointing: false,
-            reshard_after_forward: true,
-        };
+        let layout =
+            crate::plan::model::Layout::new(crate::plan::model::Mesh::Flat(world), rows / world, seq + 1);
         let planned = crate::plan::model::memory(config, &layout);
         println!(
             "[memory {name}] W={world}: cargo xtask plan predicts between steps {:.1} MiB, peak {:.1} MiB",

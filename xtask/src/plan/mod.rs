@@ -502,16 +502,7 @@ pub fn tokens_per_second(p: &Prediction) -> f64 {
 /// peak and NVLink as the H200; a Qwen3 config of Llama 3.1 8B's shape, whose q/k norms add
 /// 0.003 % of the FLOPs).
 pub fn step_time_checks(device: &Device, e: &Efficiency) -> Result<Vec<StepTimeCheck>> {
-    let ours = Layout {
-        mesh: Mesh::Flat(1),
-        rows: 4,
-        seq: 1025,
-        grad_accum: 1,
-        bf16: true,
-        offload: false,
-        activation_checkpointing: false,
-        reshard_after_forward: true,
-    };
+    let ours = Layout { bf16: true, ..Layout::new(Mesh::Flat(1), 4, 1025) };
     let llama = Qwen3Config::from_json_str(
         r#"{"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -605,16 +596,7 @@ pub fn scaling_table(args: &PlanArgs) -> Result<String> {
     for name in ["0.6b", "1.7b", "8b", "32b"] {
         let c = Qwen3Config::preset(name).context("preset")?;
         for world in [8, 64, 512, 1024] {
-            let base = Layout {
-                mesh: Mesh::Flat(world),
-                rows: 2,
-                seq: 4096,
-                grad_accum: 1,
-                bf16: true,
-                offload: false,
-                activation_checkpointing: false,
-                reshard_after_forward: true,
-            };
+            let base = Layout { bf16: true, ..Layout::new(Mesh::Flat(world), 2, 4096) };
             let preds: Vec<Prediction> =
                 candidates(&c, &base, device.per_node).iter().map(|l| predict(&c, l, &device, &e)).collect();
             let fitting = preds.iter().filter(|p| p.fits).count();
@@ -656,16 +638,7 @@ mod tests {
     use super::*;
 
     fn layout(mesh: Mesh) -> Layout {
-        Layout {
-            mesh,
-            rows: 2,
-            seq: 4097,
-            grad_accum: 1,
-            bf16: false,
-            offload: false,
-            activation_checkpointing: false,
-            reshard_after_forward: true,
-        }
+        Layout::new(mesh, 2, 4097)
     }
 
     #[test]

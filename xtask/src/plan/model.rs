@@ -91,6 +91,24 @@ pub struct Layout {
     pub reshard_after_forward: bool,
 }
 
+impl Layout {
+    /// `rows` rows of `seq` tokens per data-parallel rank on `mesh`, with the defaults of
+    /// `train-qwen3`: one micro-batch, fp32, no offload, no activation checkpointing, layers
+    /// resharded after forward.
+    pub fn new(mesh: Mesh, rows: usize, seq: usize) -> Self {
+        Self {
+            mesh,
+            rows,
+            seq,
+            grad_accum: 1,
+            bf16: false,
+            offload: false,
+            activation_checkpointing: false,
+            reshard_after_forward: true,
+        }
+    }
+}
+
 /// One parameter as a rank holds it before FSDP sharding (after tensor parallelism).
 #[derive(Debug, Clone)]
 struct ParamShape {
