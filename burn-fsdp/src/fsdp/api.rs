@@ -41,7 +41,7 @@ pub use forward::FsdpRunner;
 use forward::{collect_shards, unit_shards};
 use state::Unsharder;
 use step::ElemF64;
-pub use train_step::{StepReport, catch_collective_failures};
+pub use train_step::{StepParts, StepReport, catch_collective_failures, take_step};
 
 /// Which parameters form a unit (one all-gather, one reduce-scatter).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]

@@ -1,6 +1,7 @@
 //! The training loop: the same steps for one device and for every rank of a sharded job.
 
 use std::cell::Cell;
+use std::ops::Range;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::path::Path;
 use std::time::Instant;
@@ -8,9 +9,10 @@ use std::time::Instant;
 use burn::backend::autodiff::checkpoint::strategy::{
     BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
 };
+use burn::optim::GradientsParams;
 use burn::tensor::TensorData;
 use burn::tensor::backend::Backend;
-use burn_fsdp::ReduceOp;
+use burn_fsdp::{ReduceOp, StepParts, StepReport, TorchAdamW, take_step};
 
 use super::engine::{Engine, Placement};
 use super::{
@@ -24,7 +26,9 @@ use crate::{Qwen3Config, Qwen3Error};
 /// rank of a sharded job ([`Parallelism`]); returns the metrics of the steps run (each also
 /// given to `sink` on rank 0).
 ///
-/// Every step: each data-parallel rank takes its rows of the step's global batch (data rank
+/// Every step is [`burn_fsdp::take_step`] — the generic step any model's loop can take, also
+/// behind [`burn_fsdp::Fsdp::train_step`] — over this model: each data-parallel rank takes its
+/// rows of the step's global batch (data rank
 /// `d` of `D`: rows `d·R/D ..`), in [`TrainOptions::grad_accum`] micro-batches; forward and
 /// backward through the chunked loss ([`chunked_cross_entropy`](crate::train::chunked_cross_entropy));
 /// the global gradient norm, clipped; the loss averaged over the data-parallel ranks; the
@@ -137,7 +141,6 @@ fn steps<B: Backend, C: CheckpointStrategy>(
     };
     let (steps, micro) = (options.steps, options.grad_accum);
     let rows_per_rank = batches.rows / data_world;
-    let rows_per_micro = rows_per_rank / micro;
     let chunk = loss_chunk_rows(config.vocab_size, LOSS_CHUNK_BYTES);
     let mut out = Vec::with_capacity(steps);
     for step in first_step..steps {
@@ -146,26 +149,21 @@ fn steps<B: Backend, C: CheckpointStrategy>(
         let lr = (options.lr)(step);
         optim.set_lr(lr);
         let before = engine.snapshot();
-        let mut loss_sum = 0.0;
-        for m in 0..micro {
-            let first_row = data_rank * rows_per_rank + m * rows_per_micro;
-            let tokens = batches.rows(step, first_row..first_row + rows_per_micro, &device);
-            loss_sum += engine.micro_batch(tokens, m, micro, chunk, options.activation_checkpointing)?;
-        }
-        let (grads, grad_norm) = engine.clipped_gradients(options.clip.unwrap_or(0.0))?;
-        let loss = engine.all_reduce_scalar(loss_sum, ReduceOp::Avg, "loss")?;
-        // The loss and the norm are global: every rank takes the same branch.
-        let finite = loss.is_finite() && grad_norm.is_finite();
-        let nonfinite_rank = if finite {
-            engine = engine.step(&mut optim, grads);
-            None
-        } else {
-            // The lowest data-parallel rank whose own loss was not finite, as
-            // world - max(world - r) (0 from ranks whose loss was finite).
-            let mine = if loss_sum.is_finite() { 0.0 } else { (data_world - data_rank) as f64 };
-            let max = engine.all_reduce_scalar(mine, ReduceOp::Max, "nonfinite-rank")?;
-            (max > 0.0).then(|| data_world - max.round() as usize)
+        let first_row = data_rank * rows_per_rank;
+        let mut parts = StepOf {
+            engine: Some(engine),
+            optim: &mut optim,
+            batches,
+            step,
+            rows: first_row..first_row + rows_per_rank,
+            data: (data_rank, data_world),
+            device: &device,
+            chunk,
+            activation_checkpointing: options.activation_checkpointing,
         };
+        let report = take_step(&mut parts, micro, options.clip);
+        engine = parts.engine.take().ok_or_else(lost_engine)?;
+        let StepReport { loss, grad_norm, stepped: finite, nonfinite_rank } = report?;
         let metrics = StepMetrics {
             step,
             loss,
@@ -203,6 +201,63 @@ fn steps<B: Backend, C: CheckpointStrategy>(
         }
     }
     Ok(out)
+}
+
+/// One step's parts for [`take_step`]: the engine (taken while the optimizer steps it), the
+/// optimizer, and this rank's rows of the step's global batch.
+struct StepOf<'a, B: Backend, C: CheckpointStrategy> {
+    engine: Option<Engine<B, C>>,
+    optim: &'a mut TorchAdamW<B>,
+    batches: &'a Batches,
+    step: usize,
+    /// This rank's rows of the step, split evenly into the micro-batches.
+    rows: Range<usize>,
+    /// `(data-parallel rank, data-parallel world)`.
+    data: (usize, usize),
+    device: &'a B::Device,
+    chunk: usize,
+    activation_checkpointing: bool,
+}
+
+fn lost_engine() -> TrainError {
+    TrainError::Invalid("the model was lost in an earlier optimizer step".into())
+}
+
+impl<B: Backend, C: CheckpointStrategy> StepOf<'_, B, C> {
+    fn engine(&self) -> Result<&Engine<B, C>, TrainError> {
+        self.engine.as_ref().ok_or_else(lost_engine)
+    }
+}
+
+impl<B: Backend, C: CheckpointStrategy> StepParts for StepOf<'_, B, C> {
+    type Gradients = GradientsParams;
+    type Error = TrainError;
+
+    fn micro_batch(&mut self, index: usize, count: usize) -> Result<f64, TrainError> {
+        let per_micro = self.rows.len() / count;
+        let first = self.rows.start + index * per_micro;
+        let tokens = self.batches.rows(self.step, first..first + per_micro, self.device);
+        let engine = self.engine.as_mut().ok_or_else(lost_engine)?;
+        engine.micro_batch(tokens, index, count, self.chunk, self.activation_checkpointing)
+    }
+
+    fn clipped_gradients(&mut self, max_norm: f64) -> Result<(GradientsParams, f64), TrainError> {
+        self.engine.as_mut().ok_or_else(lost_engine)?.clipped_gradients(max_norm)
+    }
+
+    fn all_reduce_scalar(&self, value: f64, op: ReduceOp, tag: &str) -> Result<f64, TrainError> {
+        self.engine()?.all_reduce_scalar(value, op, tag)
+    }
+
+    fn data_parallel(&self) -> (usize, usize) {
+        self.data
+    }
+
+    fn apply(&mut self, grads: GradientsParams) -> Result<(), TrainError> {
+        let engine = self.engine.take().ok_or_else(lost_engine)?;
+        self.engine = Some(engine.step(self.optim, grads));
+        Ok(())
+    }
 }
 
 /// Writes full parameters `(HF name, shape, values)` (e.g. FSDP's

@@ -80,39 +80,251 @@ impl<B: FsdpBackend, M: AutodiffModule<B>> Fsdp<B, M> {
         lr: LearningRate,
         clip: Option<f64>,
         micro_batches: impl IntoIterator<Item = I>,
-        mut loss: impl FnMut(&M, I) -> Tensor<B, 1>,
+        loss: impl FnMut(&M, I) -> Tensor<B, 1>,
     ) -> Result<StepReport, FsdpError> {
-        let batches: Vec<I> = micro_batches.into_iter().collect();
+        let batches: Vec<Option<I>> = micro_batches.into_iter().map(Some).collect();
         let n = batches.len();
-        if n == 0 {
-            return Err(FsdpError::Config("train_step: no micro-batch".into()));
-        }
         catch_collective_failures(|| {
-            let mut local = 0.0;
-            let mut grads = GradientsParams::new();
-            for (i, batch) in batches.into_iter().enumerate() {
-                self.set_requires_gradient_sync(i + 1 == n);
-                let l = self.try_forward(|m, _| loss(m, batch).div_scalar(n as f64))?;
-                local += l.clone().into_scalar().elem_f64();
-                // Before the last micro-batch, FSDP keeps the gradients (nothing returned).
-                grads = self.gradients(l.backward());
-            }
-            let grad_norm = self.clip_grad_norm(&mut grads, clip.unwrap_or(0.0))?;
-            let loss = self.all_reduce_scalar(local, ReduceOp::Avg, "train_step:loss")?;
-            let stepped = loss.is_finite() && grad_norm.is_finite();
-            let mut nonfinite_rank = None;
-            if stepped {
-                self.step_with(optim, lr, grads)?;
-            } else {
-                // The lowest data-parallel rank whose loss was not finite, as
-                // world - max(world - r) (0 from ranks whose loss was finite).
-                let world = self.world() * self.replicate_group().map_or(1, |g| g.size());
-                let rank = self.replicate_rank() * self.world() + self.rank();
-                let mine = if local.is_finite() { 0.0 } else { (world - rank) as f64 };
-                let max = self.all_reduce_scalar(mine, ReduceOp::Max, "train_step:nonfinite-rank")?;
-                nonfinite_rank = (max > 0.0).then(|| world - max.round() as usize);
-            }
-            Ok(StepReport { loss, grad_norm, stepped, nonfinite_rank })
+            let mut parts = FsdpStep { fsdp: self, optim, lr, batches, loss, grads: None };
+            take_step(&mut parts, n, clip)
         })
+    }
+}
+
+/// The parts of one training step that depend on how the model is held — on one device, or as
+/// this rank's FSDP shards, with or without tensor parallelism or activation checkpointing —
+/// for [`take_step`], which does the rest the same way for all of them. [`Fsdp::train_step`]
+/// is `take_step` over an FSDP model and a Burn optimizer; `train-qwen3`'s loop is `take_step`
+/// over its Qwen3 engine (one device or sharded, TorchAdamW).
+pub trait StepParts {
+    /// The step's gradients, as [`clipped_gradients`](Self::clipped_gradients) hands them to
+    /// [`apply`](Self::apply).
+    type Gradients;
+    /// The error of a part (FSDP's errors convert into it).
+    type Error: From<FsdpError>;
+
+    /// Forward and backward of micro-batch `index` of `count`, its loss divided by `count`
+    /// (so that the step's gradients are those of the mean loss); returns that divided loss.
+    /// Gradients reduce only after the last micro-batch
+    /// ([`Fsdp::set_requires_gradient_sync`]).
+    fn micro_batch(&mut self, index: usize, count: usize) -> Result<f64, Self::Error>;
+
+    /// The step's gradients, clipped to the global L2 norm `max_norm` (≤ 0: only measured),
+    /// with that norm before clipping.
+    fn clipped_gradients(&mut self, max_norm: f64) -> Result<(Self::Gradients, f64), Self::Error>;
+
+    /// `value` reduced over the data-parallel ranks (itself on one device); `tag` names the
+    /// collective.
+    fn all_reduce_scalar(&self, value: f64, op: ReduceOp, tag: &str) -> Result<f64, Self::Error>;
+
+    /// This rank among the data-parallel ranks, and their number: `(rank, world)`.
+    fn data_parallel(&self) -> (usize, usize);
+
+    /// The optimizer's update with the step's gradients.
+    fn apply(&mut self, grads: Self::Gradients) -> Result<(), Self::Error>;
+}
+
+/// One training step of `micro_batches` micro-batches through `parts`:
+///
+/// 1. each micro-batch's forward and backward ([`StepParts::micro_batch`]);
+/// 2. the global gradient norm, clipped to `clip` when given;
+/// 3. the loss (the sum of the micro-batches' divided losses) averaged over the data-parallel
+///    ranks;
+/// 4. when the loss and the norm are finite, the update; otherwise none, and the report names
+///    the lowest data-parallel rank whose own loss was not finite. The loss and the norm are
+///    global, so every rank takes the same branch.
+///
+/// Failed collectives are not caught here: wrap the call in [`catch_collective_failures`]
+/// (as [`Fsdp::train_step`] does) or catch them around the whole loop.
+///
+/// # Example
+/// ```ignore
+/// // `MyStep` implements StepParts for a model held however the loop holds it.
+/// let report = burn_fsdp::take_step(&mut MyStep { model: &mut engine, batch }, 4, Some(1.0))?;
+/// ```
+///
+/// # Errors
+/// A configuration error without micro-batches, and any part's error.
+pub fn take_step<P: StepParts>(
+    parts: &mut P,
+    micro_batches: usize,
+    clip: Option<f64>,
+) -> Result<StepReport, P::Error> {
+    if micro_batches == 0 {
+        return Err(FsdpError::Config("train_step: no micro-batch".into()).into());
+    }
+    let mut local = 0.0;
+    for index in 0..micro_batches {
+        local += parts.micro_batch(index, micro_batches)?;
+    }
+    let (grads, grad_norm) = parts.clipped_gradients(clip.unwrap_or(0.0))?;
+    let loss = parts.all_reduce_scalar(local, ReduceOp::Avg, "train_step:loss")?;
+    let stepped = loss.is_finite() && grad_norm.is_finite();
+    let mut nonfinite_rank = None;
+    if stepped {
+        parts.apply(grads)?;
+    } else {
+        // The lowest data-parallel rank whose loss was not finite, as world - max(world - r)
+        // (0 from ranks whose loss was finite).
+        let (rank, world) = parts.data_parallel();
+        let mine = if local.is_finite() { 0.0 } else { (world - rank) as f64 };
+        let max = parts.all_reduce_scalar(mine, ReduceOp::Max, "train_step:nonfinite-rank")?;
+        nonfinite_rank = (max > 0.0).then(|| world - max.round() as usize);
+    }
+    Ok(StepReport { loss, grad_norm, stepped, nonfinite_rank })
+}
+
+/// [`Fsdp::train_step`]'s parts: an FSDP model, a Burn optimizer, the step's micro-batches.
+struct FsdpStep<'a, B: FsdpBackend, M: AutodiffModule<B>, O, I, L> {
+    fsdp: &'a mut Fsdp<B, M>,
+    optim: &'a mut O,
+    lr: LearningRate,
+    /// Each taken when its forward runs.
+    batches: Vec<Option<I>>,
+    loss: L,
+    /// The last micro-batch's gradients (earlier ones FSDP keeps).
+    grads: Option<GradientsParams>,
+}
+
+impl<B, M, O, I, L> StepParts for FsdpStep<'_, B, M, O, I, L>
+where
+    B: FsdpBackend,
+    M: AutodiffModule<B>,
+    O: Optimizer<M, B>,
+    L: FnMut(&M, I) -> Tensor<B, 1>,
+{
+    type Gradients = GradientsParams;
+    type Error = FsdpError;
+
+    fn micro_batch(&mut self, index: usize, count: usize) -> Result<f64, FsdpError> {
+        let batch = self.batches[index]
+            .take()
+            .ok_or_else(|| FsdpError::Config(format!("train_step: micro-batch {index} ran twice")))?;
+        self.fsdp.set_requires_gradient_sync(index + 1 == count);
+        let loss = &mut self.loss;
+        let l = self.fsdp.try_forward(|m, _| loss(m, batch).div_scalar(count as f64))?;
+        let value = l.clone().into_scalar().elem_f64();
+        // Before the last micro-batch, FSDP keeps the gradients (nothing returned).
+        self.grads = Some(self.fsdp.gradients(l.backward()));
+        Ok(value)
+    }
+
+    fn clipped_gradients(&mut self, max_norm: f64) -> Result<(GradientsParams, f64), FsdpError> {
+        let mut grads =
+            self.grads.take().ok_or_else(|| FsdpError::Config("train_step: no micro-batch ran".into()))?;
+        let norm = self.fsdp.clip_grad_norm(&mut grads, max_norm)?;
+        Ok((grads, norm))
+    }
+
+    fn all_reduce_scalar(&self, value: f64, op: ReduceOp, tag: &str) -> Result<f64, FsdpError> {
+        self.fsdp.all_reduce_scalar(value, op, tag)
+    }
+
+    fn data_parallel(&self) -> (usize, usize) {
+        let fsdp = &*self.fsdp;
+        let world = fsdp.world() * fsdp.replicate_group().map_or(1, |g| g.size());
+        (fsdp.replicate_rank() * fsdp.world() + fsdp.rank(), world)
+    }
+
+    fn apply(&mut self, grads: GradientsParams) -> Result<(), FsdpError> {
+        self.fsdp.step_with(self.optim, self.lr, grads)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A step over made-up parts: micro-batch losses, a norm, and what the all-reduces return
+    /// (standing in for the other ranks); records what `take_step` called.
+    struct Fake {
+        losses: Vec<f64>,
+        norm: f64,
+        /// What the all-reduce of a finite loss returns (the "global" loss).
+        global_loss: f64,
+        /// The largest non-finite mark of the other ranks.
+        max_mark: f64,
+        data: (usize, usize),
+        calls: Vec<String>,
+    }
+
+    impl StepParts for Fake {
+        type Gradients = &'static str;
+        type Error = FsdpError;
+
+        fn micro_batch(&mut self, index: usize, count: usize) -> Result<f64, FsdpError> {
+            self.calls.push(format!("micro {index}/{count}"));
+            Ok(self.losses[index])
+        }
+        fn clipped_gradients(&mut self, max_norm: f64) -> Result<(&'static str, f64), FsdpError> {
+            self.calls.push(format!("clip {max_norm}"));
+            Ok(("grads", self.norm))
+        }
+        fn all_reduce_scalar(&self, value: f64, op: ReduceOp, tag: &str) -> Result<f64, FsdpError> {
+            match op {
+                ReduceOp::Avg => {
+                    assert_eq!(tag, "train_step:loss");
+                    Ok(if value.is_finite() { self.global_loss } else { value })
+                }
+                ReduceOp::Max => {
+                    assert_eq!(tag, "train_step:nonfinite-rank");
+                    Ok(self.max_mark.max(value))
+                }
+                _ => Err(FsdpError::Config("unexpected reduction".into())),
+            }
+        }
+        fn data_parallel(&self) -> (usize, usize) {
+            self.data
+        }
+        fn apply(&mut self, grads: &'static str) -> Result<(), FsdpError> {
+            self.calls.push(format!("apply {grads}"));
+            Ok(())
+        }
+    }
+
+    fn fake(losses: Vec<f64>) -> Fake {
+        Fake { losses, norm: 2.5, global_loss: 0.75, max_mark: 0.0, data: (1, 4), calls: vec![] }
+    }
+
+    #[test]
+    fn every_micro_batch_then_clip_then_the_update() {
+        let mut p = fake(vec![0.25, 0.5]);
+        let r = take_step(&mut p, 2, Some(1.0)).unwrap();
+        assert_eq!(r, StepReport { loss: 0.75, grad_norm: 2.5, stepped: true, nonfinite_rank: None });
+        assert_eq!(p.calls, ["micro 0/2", "micro 1/2", "clip 1", "apply grads"]);
+        // Without clipping the norm is only measured (max_norm 0).
+        let mut p = fake(vec![0.25]);
+        take_step(&mut p, 1, None).unwrap();
+        assert_eq!(p.calls, ["micro 0/1", "clip 0", "apply grads"]);
+    }
+
+    #[test]
+    fn a_non_finite_loss_skips_the_update_and_names_the_lowest_rank() {
+        // This rank (1 of 4) has a NaN loss; another's mark (4 - 2) says rank 2 has one too.
+        let mut p = fake(vec![0.25, f64::NAN]);
+        p.max_mark = 2.0;
+        let r = take_step(&mut p, 2, Some(1.0)).unwrap();
+        assert!(!r.stepped && r.loss.is_nan());
+        assert_eq!(r.nonfinite_rank, Some(1));
+        assert!(!p.calls.iter().any(|c| c.starts_with("apply")), "{:?}", p.calls);
+        // Finite here, but a peer (rank 3: mark 1) was not: the global loss is NaN.
+        let mut p = fake(vec![0.25]);
+        (p.global_loss, p.max_mark) = (f64::NAN, 1.0);
+        let r = take_step(&mut p, 1, None).unwrap();
+        assert_eq!((r.stepped, r.nonfinite_rank), (false, Some(3)));
+        // A non-finite norm with finite losses: no update, no rank to name.
+        let mut p = fake(vec![0.25]);
+        p.norm = f64::INFINITY;
+        let r = take_step(&mut p, 1, None).unwrap();
+        assert_eq!((r.stepped, r.nonfinite_rank), (false, None));
+        assert!(!p.calls.iter().any(|c| c.starts_with("apply")), "{:?}", p.calls);
+    }
+
+    #[test]
+    fn no_micro_batch_is_an_error() {
+        let mut p = fake(vec![]);
+        let e = take_step(&mut p, 0, None).unwrap_err();
+        assert!(e.to_string().contains("no micro-batch"), "{e}");
+        assert!(p.calls.is_empty());
     }
 }
