@@ -282,8 +282,12 @@ pub struct Memory {
     pub accumulated: f64,
     /// The root unit gathered (part of `gathered`, still held at the end of backward).
     pub root_gathered: f64,
-    /// What the host holds with offload (shards, gradients, optimizer state).
+    /// What the host holds with offload at most (shards, gradients, optimizer state): from
+    /// the end of backward to the optimizer's step.
     pub host: f64,
+    /// Of [`host`](Self::host), the gradient shards: on the host only from the end of
+    /// backward to the step, not between steps.
+    pub host_gradients: f64,
 }
 
 impl Memory {
@@ -310,6 +314,12 @@ impl Memory {
     /// What stays on the device between steps: the shards and the optimizer state.
     pub fn between_steps(&self) -> f64 {
         self.parameters + self.optimizer
+    }
+
+    /// What stays on the host between steps with offload (and through forward and backward):
+    /// the shards and the optimizer state.
+    pub fn host_between_steps(&self) -> f64 {
+        self.host - self.host_gradients
     }
 }
 
@@ -369,6 +379,7 @@ pub fn memory(c: &Qwen3Config, l: &Layout) -> Memory {
         accumulated: if l.grad_accum > 1 { units.iter().map(full).sum::<f64>() * compute } else { 0.0 },
         root_gathered: root * compute,
         host,
+        host_gradients: if l.offload { states.1 } else { 0.0 },
     }
 }
 
