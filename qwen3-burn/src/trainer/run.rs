@@ -12,7 +12,7 @@ use burn::backend::autodiff::checkpoint::strategy::{
 use burn::optim::GradientsParams;
 use burn::tensor::TensorData;
 use burn::tensor::backend::Backend;
-use burn_fsdp::{ReduceOp, StepParts, StepReport, TorchAdamW, take_step};
+use burn_fsdp::{ReduceOp, StepParts, StepReport, take_step};
 
 use super::engine::{Engine, Placement};
 use super::{
@@ -151,8 +151,7 @@ fn steps<B: Backend, C: CheckpointStrategy>(
         let before = engine.snapshot();
         let first_row = data_rank * rows_per_rank;
         let mut parts = StepOf {
-            engine: Some(engine),
-            optim: &mut optim,
+            engine: &mut engine,
             batches,
             step,
             rows: first_row..first_row + rows_per_rank,
@@ -160,9 +159,12 @@ fn steps<B: Backend, C: CheckpointStrategy>(
             device: &device,
             chunk,
             activation_checkpointing: options.activation_checkpointing,
+            update: None,
         };
         let report = take_step(&mut parts, micro, options.clip);
-        engine = parts.engine.take().ok_or_else(lost_engine)?;
+        if let Some(grads) = parts.update {
+            engine = engine.step(&mut optim, grads);
+        }
         let StepReport { loss, grad_norm, stepped: finite, nonfinite_rank } = report?;
         let metrics = StepMetrics {
             step,
@@ -203,11 +205,11 @@ fn steps<B: Backend, C: CheckpointStrategy>(
     Ok(out)
 }
 
-/// One step's parts for [`take_step`]: the engine (taken while the optimizer steps it), the
-/// optimizer, and this rank's rows of the step's global batch.
+/// One step's parts for [`take_step`]: the engine and this rank's rows of the step's global
+/// batch. The update is left to the loop (the optimizer takes the engine by value): `apply`
+/// keeps the gradients in `update`, the last thing `take_step` does when it steps.
 struct StepOf<'a, B: Backend, C: CheckpointStrategy> {
-    engine: Option<Engine<B, C>>,
-    optim: &'a mut TorchAdamW<B>,
+    engine: &'a mut Engine<B, C>,
     batches: &'a Batches,
     step: usize,
     /// This rank's rows of the step, split evenly into the micro-batches.
@@ -217,16 +219,8 @@ struct StepOf<'a, B: Backend, C: CheckpointStrategy> {
     device: &'a B::Device,
     chunk: usize,
     activation_checkpointing: bool,
-}
-
-fn lost_engine() -> TrainError {
-    TrainError::Invalid("the model was lost in an earlier optimizer step".into())
-}
-
-impl<B: Backend, C: CheckpointStrategy> StepOf<'_, B, C> {
-    fn engine(&self) -> Result<&Engine<B, C>, TrainError> {
-        self.engine.as_ref().ok_or_else(lost_engine)
-    }
+    /// The gradients to step with, once `take_step` decided to.
+    update: Option<GradientsParams>,
 }
 
 impl<B: Backend, C: CheckpointStrategy> StepParts for StepOf<'_, B, C> {
@@ -237,16 +231,15 @@ impl<B: Backend, C: CheckpointStrategy> StepParts for StepOf<'_, B, C> {
         let per_micro = self.rows.len() / count;
         let first = self.rows.start + index * per_micro;
         let tokens = self.batches.rows(self.step, first..first + per_micro, self.device);
-        let engine = self.engine.as_mut().ok_or_else(lost_engine)?;
-        engine.micro_batch(tokens, index, count, self.chunk, self.activation_checkpointing)
+        self.engine.micro_batch(tokens, index, count, self.chunk, self.activation_checkpointing)
     }
 
     fn clipped_gradients(&mut self, max_norm: f64) -> Result<(GradientsParams, f64), TrainError> {
-        self.engine.as_mut().ok_or_else(lost_engine)?.clipped_gradients(max_norm)
+        self.engine.clipped_gradients(max_norm)
     }
 
     fn all_reduce_scalar(&self, value: f64, op: ReduceOp, tag: &str) -> Result<f64, TrainError> {
-        self.engine()?.all_reduce_scalar(value, op, tag)
+        self.engine.all_reduce_scalar(value, op, tag)
     }
 
     fn data_parallel(&self) -> (usize, usize) {
@@ -254,8 +247,7 @@ impl<B: Backend, C: CheckpointStrategy> StepParts for StepOf<'_, B, C> {
     }
 
     fn apply(&mut self, grads: GradientsParams) -> Result<(), TrainError> {
-        let engine = self.engine.take().ok_or_else(lost_engine)?;
-        self.engine = Some(engine.step(self.optim, grads));
+        self.update = Some(grads);
         Ok(())
     }
 }

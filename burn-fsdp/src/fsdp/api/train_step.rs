@@ -82,8 +82,9 @@ impl<B: FsdpBackend, M: AutodiffModule<B>> Fsdp<B, M> {
         micro_batches: impl IntoIterator<Item = I>,
         loss: impl FnMut(&M, I) -> Tensor<B, 1>,
     ) -> Result<StepReport, FsdpError> {
-        let batches: Vec<Option<I>> = micro_batches.into_iter().map(Some).collect();
+        let batches: Vec<I> = micro_batches.into_iter().collect();
         let n = batches.len();
+        let batches = batches.into_iter();
         catch_collective_failures(|| {
             let mut parts = FsdpStep { fsdp: self, optim, lr, batches, loss, grads: None };
             take_step(&mut parts, n, clip)
@@ -179,8 +180,8 @@ struct FsdpStep<'a, B: FsdpBackend, M: AutodiffModule<B>, O, I, L> {
     fsdp: &'a mut Fsdp<B, M>,
     optim: &'a mut O,
     lr: LearningRate,
-    /// Each taken when its forward runs.
-    batches: Vec<Option<I>>,
+    /// The micro-batches not run yet, in order.
+    batches: std::vec::IntoIter<I>,
     loss: L,
     /// The last micro-batch's gradients (earlier ones FSDP keeps).
     grads: Option<GradientsParams>,
@@ -197,9 +198,8 @@ where
     type Error = FsdpError;
 
     fn micro_batch(&mut self, index: usize, count: usize) -> Result<f64, FsdpError> {
-        let batch = self.batches[index]
-            .take()
-            .ok_or_else(|| FsdpError::Config(format!("train_step: micro-batch {index} ran twice")))?;
+        let batch = (self.batches.next())
+            .ok_or_else(|| FsdpError::Config(format!("train_step: no micro-batch {index}")))?;
         self.fsdp.set_requires_gradient_sync(index + 1 == count);
         let loss = &mut self.loss;
         let l = self.fsdp.try_forward(|m, _| loss(m, batch).div_scalar(count as f64))?;
