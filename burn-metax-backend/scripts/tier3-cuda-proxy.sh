@@ -67,7 +67,7 @@ step mock-tests "$TEST_TIMEOUT" cargo test --offline -p burn-metax-backend --fea
 # The backend conformance suite on the CUDA proxy (f64 host references), then Qwen3 FSDP
 # training steps on it against the PyTorch trajectory.
 step conformance "$TEST_TIMEOUT" cargo run --offline -p xtask --features cuda-proxy -- conformance --backend cuda-proxy
-step qwen3-fsdp-step "$TEST_TIMEOUT" env CUDA_PROXY_TESTS=1 cargo test --offline -p tests --features cuda-proxy --test gpu_cuda_proxy -- --nocapture
+step qwen3-fsdp-step "$TEST_TIMEOUT" env CUDA_PROXY_TESTS=1 cargo test --offline -p tests --features cuda-proxy --test integration gpu_cuda_proxy:: -- --nocapture
 
 echo "overall: $([ $FAILED -eq 0 ] && echo PASS || echo FAIL)" | tee -a "$SUMMARY"
 exit $FAILED

@@ -1,12 +1,14 @@
 //! A counting global allocator for memory tests: live and peak bytes, and a log of large
 //! allocations while switched on.
 //!
-//! A test binary installs it with
+//! The `memory` test binary installs it with
 //! `#[global_allocator] static ALLOCATOR: tests::alloc::Counting = tests::alloc::Counting;`
-//! and runs its tests one at a time (the counters are process-wide).
+//! and holds only tests that read the counters. The counters are process-wide, so each of
+//! those tests holds [`exclusive`] while it runs: one at a time, nothing else allocating.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicIsize, AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
 
 /// Bytes allocated and not yet freed.
 pub static CURRENT: AtomicIsize = AtomicIsize::new(0);
@@ -77,6 +79,15 @@ unsafe impl GlobalAlloc for Counting {
         }
         p
     }
+}
+
+static EXCLUSIVE: Mutex<()> = Mutex::new(());
+
+/// The counters for the calling test alone: every test of the `memory` binary holds this
+/// guard from its first line, so no other test allocates while it measures. A test that
+/// panicked while holding it leaves it usable (its poison is ignored).
+pub fn exclusive() -> MutexGuard<'static, ()> {
+    EXCLUSIVE.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Live bytes now.

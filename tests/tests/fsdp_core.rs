@@ -1,8 +1,7 @@
 //! burn-fsdp core against single-device Burn and the PyTorch FSDP2 fixtures.
 #![allow(clippy::unwrap_used)]
 
-/// FSDP on models Burn users write (issue #16): buffers, replicas, runner errors. A module of
-/// this test binary rather than its own, to save a link of the test crate in CI.
+/// FSDP on models Burn users write (issue #16): buffers, replicas, runner errors.
 #[path = "fsdp_core/any_model.rs"]
 mod any_model;
 #[path = "fsdp_core/as_written.rs"]

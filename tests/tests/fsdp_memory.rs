@@ -1,6 +1,6 @@
 //! `reshard_after_forward` really frees, and nothing is kept alive between steps: live bytes
-//! counted by a global allocator (this test binary holds only these tests, run one at a time
-//! through [`SERIAL`], so nothing else allocates).
+//! counted by a global allocator (in the `memory` test binary, whose tests run one at a time
+//! through `tests::alloc::exclusive`, so nothing else allocates).
 #![allow(clippy::unwrap_used)]
 
 use std::sync::Mutex;
@@ -17,12 +17,6 @@ use qwen3_burn::{Qwen3, Qwen3Config};
 use tests::alloc::{CURRENT, PEAK};
 
 type FB = Autodiff<NdArray<f32>, BalancedCheckpointing>;
-
-/// The tests of this binary share the allocator's counters: they run one at a time.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-#[global_allocator]
-static ALLOCATOR: tests::alloc::Counting = tests::alloc::Counting;
 
 /// Records the live bytes when each unit starts computing (its parameters gathered), with
 /// every rank stopped at the same point (barriers before and after the reading).
@@ -143,7 +137,7 @@ fn measure(world: usize, reshard: bool, prefetch: bool) -> Measured {
 /// timing and the bound counts that staging.
 #[test]
 fn reshard_after_forward_keeps_at_most_two_units_gathered() {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let _serial = tests::alloc::exclusive();
     let world = 2;
     let inline = measure(world, true, false);
     let prefetched = measure(world, true, true);
@@ -218,7 +212,7 @@ fn between_steps(world: usize, prefetch: bool, steps: usize) -> (Vec<isize>, isi
 /// the shards, and do not grow from step to step.
 #[test]
 fn nothing_is_kept_alive_between_steps() {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let _serial = tests::alloc::exclusive();
     let world = 2;
     let (with, shards) = between_steps(world, true, 5);
     let (without, _) = between_steps(world, false, 5);
@@ -241,7 +235,7 @@ fn nothing_is_kept_alive_between_steps() {
 /// gradients are the same (single device; tests/tests/fsdp_core.rs checks FSDP training).
 #[test]
 fn activation_checkpointing_keeps_only_layer_inputs() {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let _serial = tests::alloc::exclusive();
     use burn::optim::GradientsParams;
     use qwen3_burn::train::{chunked_cross_entropy, inputs_and_labels};
     type AB = Autodiff<NdArray<f32>>;
@@ -313,7 +307,7 @@ fn wrapping_a_model_fresh_from_config_init_holds_one_full_parameter_at_a_time() 
     struct Stack<B: burn::tensor::backend::Backend> {
         layers: Vec<Linear<B>>,
     }
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let _serial = tests::alloc::exclusive();
     let param = (WIDTH * WIDTH * 4) as isize;
     let probes = burn_fsdp::LocalGroup::new_group(WORLD, Duration::from_secs(60));
     let baseline = Mutex::new(0isize);
@@ -481,7 +475,7 @@ fn backward_peak(layers: usize, max_inflight: usize, reshard: bool) -> (isize, i
 /// it returns is the same for 4 and 16 units.
 #[test]
 fn reduce_scatters_in_flight_are_bounded_so_peak_memory_does_not_grow_with_units() {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let _serial = tests::alloc::exclusive();
     let (_, _, unbounded) = backward_peak(16, usize::MAX, false);
     let (_, _, bounded) = backward_peak(16, 2, false);
     let (few, unit, _) = backward_peak(4, 2, true);

@@ -4,21 +4,14 @@
 //! with delimiters, truncations, insertions, duplicated spans, huge and negative numbers, a
 //! header length pointing past the file, deep nesting). Every input must give `Ok` or an
 //! error naming the file: never a panic, a hang (each case is timed), or an allocation beyond
-//! a small multiple of the file's size (a counting allocator: this binary holds only these
-//! tests, run one at a time).
+//! a small multiple of the file's size (a counting allocator: in the `memory` test binary,
+//! whose tests run one at a time).
 #![allow(clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use burn_fsdp::io::{SafetensorsFile, TensorOut, write_safetensors};
-
-#[global_allocator]
-static ALLOCATOR: tests::alloc::Counting = tests::alloc::Counting;
-
-/// The allocator's counters are process-wide: one test at a time.
-static SERIAL: Mutex<()> = Mutex::new(());
 
 const CASES: usize = 10_000;
 
@@ -134,7 +127,7 @@ fn fuzz(
     safetensors: bool,
     parse: &dyn Fn(&Path) -> Result<(), String>,
 ) {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let _serial = tests::alloc::exclusive();
     assert!(parse(&write(file, seed)).is_ok(), "{name}: the seed input parses");
     let mut rng = Rng(seed_value);
     let (mut ok, mut errors, mut caught_panics) = (0, 0, 0);

@@ -4,7 +4,7 @@
 //! within 10 %, over flat FSDP at W = 2, 3, 4, with accumulation and with offload (the host's
 //! bytes added: on the CPU they are the same memory); with block activation
 //! checkpointing the planned peak is an upper bound (see the assertion).
-//! Counted by a global allocator (this binary holds only this test).
+//! Counted by a global allocator (the `memory` test binary's, its tests one at a time).
 #![allow(clippy::unwrap_used)]
 
 use std::sync::Mutex;
@@ -19,9 +19,6 @@ use qwen3_burn::train::{chunked_cross_entropy, inputs_and_labels, loss_chunk_row
 use qwen3_burn::{Qwen3, Qwen3Config, Qwen3Init};
 use tests::alloc;
 use xtask::plan::model::{Layout, Mesh, memory};
-
-#[global_allocator]
-static ALLOCATOR: alloc::Counting = alloc::Counting;
 
 type FB = Autodiff<NdArray<f32>, BalancedCheckpointing>;
 
@@ -109,6 +106,7 @@ fn measure(config: &Qwen3Config, l: &Layout) -> (f64, f64) {
 
 #[test]
 fn plan_memory_is_within_ten_percent_of_the_live_bytes() {
+    let _serial = alloc::exclusive();
     let config = Qwen3Config {
         vocab_size: 4096,
         hidden_size: 256,

@@ -1,7 +1,7 @@
 //! Qwen3-0.6B at full width and full vocabulary (2 of its 28 layers), W = 4 in-process ranks,
 //! 2 training steps: no rank ever makes a full copy of a parameter outside a unit's gather,
 //! and the whole job stays within its memory bound. Live bytes and large allocations are
-//! counted by a global allocator (this binary holds only this test).
+//! counted by a global allocator (the `memory` test binary's, its tests one at a time).
 #![allow(clippy::unwrap_used)]
 
 use std::sync::Mutex;
@@ -14,9 +14,6 @@ use burn_fsdp::{DeviceMesh, Fsdp, FsdpConfig, LocalGroup, ProcessGroup, TorchAda
 use qwen3_burn::train::{chunked_cross_entropy, inputs_and_labels, loss_chunk_rows};
 use qwen3_burn::{Qwen3, Qwen3Config, Qwen3Init};
 use tests::alloc;
-
-#[global_allocator]
-static ALLOCATOR: alloc::Counting = alloc::Counting;
 
 type FB = Autodiff<NdArray<f32>, BalancedCheckpointing>;
 
@@ -43,6 +40,7 @@ struct Readings {
 
 #[test]
 fn qwen3_0_6b_width_w4_makes_no_full_parameter_copy_and_stays_in_bounds() {
+    let _serial = alloc::exclusive();
     let config = Qwen3Config { num_hidden_layers: 2, ..Qwen3Config::qwen3_0_6b() };
     let psi = config.num_params();
     let init = Qwen3Init::new(0);
