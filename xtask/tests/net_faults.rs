@@ -667,3 +667,159 @@ fn a_connection_closed_mid_run_with_both_processes_alive_fails_every_rank_at_onc
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+// ---------------------------------------------------------------------------------------
+// MPI across namespaces.
+
+/// One namespace per rank and a hub namespace that routes between them: rank `k`'s namespace
+/// is joined to the hub by a veth pair on 198.18.(base + k).0/24 (`.1` in the hub, `.2` in the
+/// rank's, its default route). For jobs whose ranks connect to each other directly (MPI's TCP
+/// transport), not through this process. Forwarding is switched on in the hub only: this
+/// machine's own network settings are untouched. Removed on drop.
+#[cfg(feature = "mpi")]
+struct HubNet {
+    hub: String,
+    /// Rank `k`'s namespace is this followed by `k`.
+    leaf_prefix: String,
+    leaves: Vec<String>,
+    base: u8,
+}
+
+#[cfg(feature = "mpi")]
+impl HubNet {
+    fn new(slot: u8, world: usize) -> HubNet {
+        remove_stale_namespaces();
+        let pid = std::process::id();
+        let base = 16 * slot;
+        let hub = format!("bfsdp-{pid}-{slot}-hub");
+        ip(&["netns", "add", &hub]);
+        let leaf_prefix = format!("bfsdp-{pid}-{slot}-");
+        let mut net = HubNet { hub: hub.clone(), leaf_prefix: leaf_prefix.clone(), leaves: Vec::new(), base };
+        ip(&["-n", &hub, "link", "set", "lo", "up"]);
+        let forward = Command::new("ip")
+            .args(["netns", "exec", &hub, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward"])
+            .output()
+            .expect("ip netns exec");
+        assert!(forward.status.success(), "forwarding in the hub: {}", text(&forward));
+        for k in 0..world {
+            let ns = format!("{leaf_prefix}{k}");
+            ip(&["netns", "add", &ns]);
+            net.leaves.push(ns.clone());
+            let (hub_if, inner) = (format!("bfh{k}"), format!("bfr{k}"));
+            ip(&[
+                "link", "add", &hub_if, "netns", &hub, "type", "veth", "peer", "name", &inner, "netns", &ns,
+            ]);
+            let subnet = |host: u8| format!("198.18.{}.{host}/24", base + k as u8);
+            ip(&["-n", &hub, "addr", "add", &subnet(1), "dev", &hub_if]);
+            ip(&["-n", &hub, "link", "set", &hub_if, "up"]);
+            ip(&["-n", &ns, "addr", "add", &subnet(2), "dev", &inner]);
+            ip(&["-n", &ns, "link", "set", &inner, "up"]);
+            ip(&["-n", &ns, "link", "set", "lo", "up"]);
+            ip(&["-n", &ns, "route", "add", "default", "via", &format!("198.18.{}.1", base + k as u8)]);
+        }
+        net
+    }
+
+    /// The addresses of every link, as one prefix (the 16 subnets of this slot).
+    fn prefix(&self) -> String {
+        format!("198.18.{}.0/20", self.base)
+    }
+
+    /// Bytes rank `k` sent over its link.
+    fn sent(&self, k: usize) -> u64 {
+        let path = format!("/sys/class/net/bfr{k}/statistics/tx_bytes");
+        let o = Command::new("ip")
+            .args(["netns", "exec", &self.leaves[k], "cat", &path])
+            .output()
+            .expect("ip netns exec");
+        assert!(o.status.success(), "{path}: {}", text(&o));
+        String::from_utf8_lossy(&o.stdout).trim().parse().expect("a byte count")
+    }
+}
+
+#[cfg(feature = "mpi")]
+impl Drop for HubNet {
+    fn drop(&mut self) {
+        for ns in self.leaves.iter().chain([&self.hub]) {
+            let _ = Command::new("ip").args(["netns", "delete", ns]).output();
+        }
+    }
+}
+
+/// `--launcher mpi` with every rank in a network namespace of its own: Open MPI's TCP
+/// transport only (no shared memory), so every collective crosses the veth links and the hub's
+/// routing. mpirun runs in the hub; each rank is started through `ip netns exec` into its own
+/// namespace (a wrapper script reads the rank from `OMPI_COMM_WORLD_RANK`), and reaches
+/// mpirun's PMIx server on the hub's address (PMIx listens on loopback by default, which a
+/// rank's namespace does not share). Training is bit-identical to the same MPI job on
+/// loopback, and each rank sent more than the whole model's bytes over its link.
+#[cfg(feature = "mpi")]
+#[test]
+#[cfg_attr(
+    not(netns_tests),
+    ignore = "needs root and iproute2 to build network namespaces (set NETNS_TESTS=1 to force)"
+)]
+fn mpi_ranks_in_namespaces_of_their_own_train_bit_for_bit_as_on_loopback() {
+    use std::os::unix::fs::PermissionsExt;
+
+    let _one = serial();
+    let dir = out_dir("mpi");
+    let lo = dir.join("loopback");
+    let start = Instant::now();
+    let o = Command::new(EXE)
+        .args(tiny_b(&lo, &["--launcher", "mpi", "--world-size", "3", "--timeout", "60"]))
+        .output()
+        .expect("xtask");
+    let lo_wall = start.elapsed();
+    assert!(o.status.success(), "{}", text(&o));
+    let (want, lo_tps) = metrics(&lo.join("metrics.jsonl"));
+    assert_eq!(want.len(), 12, "tiny-b has 12 steps");
+
+    let net = HubNet::new(5, 3);
+    let wrapper = dir.join("in-rank-namespace.sh");
+    std::fs::write(
+        &wrapper,
+        "#!/bin/sh\nexec ip netns exec \"$BFSDP_NS_PREFIX$OMPI_COMM_WORLD_RANK\" \"$@\"\n",
+    )
+    .expect("wrapper");
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let out = dir.join("netns");
+    let mut line: Vec<String> = ["netns", "exec", &net.hub].map(String::from).to_vec();
+    line.extend(xtask::launch::mpirun_prefix(None, 3));
+    line.extend(["--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include"].map(String::from));
+    line.push(net.prefix());
+    line.extend(["-x", "BFSDP_NS_PREFIX"].map(String::from));
+    line.push(wrapper.display().to_string());
+    line.push(EXE.to_owned());
+    line.extend(tiny_b(&out, &["--launcher", "mpi", "--world-size", "3", "--timeout", "60"]));
+    let start = Instant::now();
+    let job = Command::new("ip")
+        .args(&line)
+        .env("BFSDP_NS_PREFIX", &net.leaf_prefix)
+        .env("PMIX_MCA_ptl_tcp_remote_connections", "1")
+        .env("PMIX_MCA_ptl_tcp_if_include", net.prefix())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("ip netns exec mpirun");
+    let outs = wait_all(vec![job], Duration::from_secs(300));
+    let wall = start.elapsed();
+    assert!(outs[0].0.status.success(), "the MPI job across namespaces failed: {}", show(&outs));
+    let (got, tps) = metrics(&out.join("metrics.jsonl"));
+    assert_eq!(got, want, "losses and grad norms across the namespaces differ from loopback's");
+
+    let model = std::fs::metadata(fixtures().join("qwen3-tiny-b/model.safetensors")).expect("tiny-b").len();
+    let sent: Vec<u64> = (0..3).map(|k| net.sent(k)).collect();
+    let tokens = tokens_per_step();
+    println!(
+        "W = 3 tiny-b over MPI, 12 steps, bit-identical: loopback median step {:.1} ms (run {lo_wall:.1?}); \
+         one namespace per rank, TCP through the hub: median step {:.1} ms (run {wall:.1?}); \
+         bytes sent per rank {sent:?} (the model: {model})",
+        median_step_ms(&lo_tps, tokens),
+        median_step_ms(&tps, tokens),
+    );
+    for (k, s) in sent.iter().enumerate() {
+        assert!(*s > model, "rank {k} sent {s} bytes over its link, less than the model's {model}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
