@@ -41,15 +41,26 @@ fn logits_match_pytorch_untied_head_gqa3_odd_shapes() {
     assert!(err <= 1e-5, "‖Δ‖/‖ref‖ = {err}");
 }
 
+/// Trains `case` as its PyTorch run `reference_name` did and checks every step's loss and grad
+/// norm within 1e-5 of PyTorch's (max relative; measured on both CPU backends: at most 2.4e-7
+/// and 2.2e-6 on tiny-a and tiny-b).
 fn check_run(case: &str, reference_name: &str, extra: &[&str]) {
+    check_run_within(case, reference_name, extra, 1e-5, 1e-5);
+}
+
+fn check_run_within(case: &str, reference_name: &str, extra: &[&str], loss_tol: f64, norm_tol: f64) {
     let args = train_args(case, extra);
     let metrics = xtask::train::run(&args).unwrap();
     let r = reference(case, reference_name);
+    assert_eq!(metrics.len(), r.losses.len(), "{case}/{reference_name}: every step of the reference");
     let losses: Vec<f64> = metrics.iter().map(|m| m.loss).collect();
     let norms: Vec<f64> = metrics.iter().map(|m| m.grad_norm).collect();
     let (dl, dn) = (max_rel_diff(&losses, &r.losses), max_rel_diff(&norms, &r.grad_norms));
-    eprintln!("{case} {reference_name}: max rel diff loss {dl:.3e}, grad norm {dn:.3e}");
-    assert!(dl <= 1e-4 && dn <= 1e-4, "{case}/{reference_name}: loss {dl:e}, grad norm {dn:e}");
+    eprintln!("{case} {reference_name} {extra:?}: max rel diff loss {dl:.3e}, grad norm {dn:.3e}");
+    assert!(
+        dl <= loss_tol && dn <= norm_tol,
+        "{case}/{reference_name} {extra:?}: loss {dl:e} (at most {loss_tol:e}), grad norm {dn:e} (at most {norm_tol:e})"
+    );
 }
 
 #[test]
@@ -91,6 +102,44 @@ fn single_device_clip_and_accumulation_match_pytorch() {
 fn single_device_untied_case_matches_pytorch() {
     check_run("qwen3-tiny-b", "single", &["--no-fsdp"]);
     check_run("qwen3-tiny-b", "single_clip_accum", &["--no-fsdp", "--clip", "1.0", "--grad-accum", "3"]);
+}
+
+/// Issue #44's case, in the repository (`qwen3-tiny-c`: untied head, rope 1e4, vocabulary 301
+/// sharded 101/100/100 at W = 3, AdamW lr 3e-3, 20 steps of 6 rows): on the default backend
+/// (Flex) and on NdArray, single device and FSDP at W = 3, every step's loss within 1e-5 of
+/// PyTorch's (measured: at most 3.3e-7 single, 7.4e-7 FSDP). The grad norm within 5e-5:
+/// PyTorch's own FSDP2 and single process differ by 3.0e-5 on it (reduction order alone;
+/// measured here: at most 2.1e-5 single, 1.9e-5 FSDP). The untied fixture tiny-b at W = 3 too.
+#[test]
+fn both_cpu_backends_stay_within_1e_5_of_pytorch_on_an_untied_case_with_uneven_shards() {
+    for backend in ["flex", "ndarray"] {
+        let b = ["--cpu-backend", backend];
+        check_run_within("qwen3-tiny-c", "single", &[&["--no-fsdp"][..], &b].concat(), 1e-5, 5e-5);
+        check_run_within("qwen3-tiny-c", "fsdp3", &[&["--world-size", "3"][..], &b].concat(), 1e-5, 5e-5);
+        check_run("qwen3-tiny-b", "fsdp3", &[&["--world-size", "3"][..], &b].concat());
+    }
+}
+
+/// The same model at 4 rows a step (`qwen3-tiny-c4`), where training is more sensitive to
+/// rounding: NdArray within 1e-5 of PyTorch in loss, single device and FSDP at W = 4 (measured:
+/// 3.1e-6 and 4.0e-6); the grad norm within 5e-4 (measured 1.7e-4; PyTorch's own FSDP2 vs
+/// single: 8.4e-6).
+#[test]
+fn ndarray_stays_within_1e_5_of_pytorch_at_four_rows_a_step() {
+    let b = ["--cpu-backend", "ndarray"];
+    check_run_within("qwen3-tiny-c4", "single", &[&["--no-fsdp"][..], &b].concat(), 1e-5, 5e-4);
+    check_run_within("qwen3-tiny-c4", "fsdp4", &[&["--world-size", "4"][..], &b].concat(), 1e-5, 5e-4);
+}
+
+/// The default backend on the same case: measured 1.6e-5 from PyTorch in loss (step 16), single
+/// device and FSDP alike — over the 1e-5 of issue #44. Kept as a known gap, not hidden
+/// (docs/default-backend-drift.md).
+#[test]
+#[ignore = "known gap (issue #44): Flex is 1.6e-5 from PyTorch's loss on tiny-c4 at step 16, over 1e-5; docs/default-backend-drift.md"]
+fn default_backend_stays_within_1e_5_of_pytorch_at_four_rows_a_step() {
+    let b = ["--cpu-backend", "flex"];
+    check_run_within("qwen3-tiny-c4", "single", &[&["--no-fsdp"][..], &b].concat(), 1e-5, 5e-4);
+    check_run_within("qwen3-tiny-c4", "fsdp4", &[&["--world-size", "4"][..], &b].concat(), 1e-5, 5e-4);
 }
 
 #[test]
