@@ -586,7 +586,10 @@ pub fn scaling_table(args: &PlanArgs) -> Result<String> {
     }
     let _ = writeln!(
         o,
-        "\nThe MFU column says what a layout allows a well-tuned stack, not what this project's\n\
+        "  - torchtitan publishes no figure for Qwen3 (its `torchtitan/models/qwen3/README.md`\n    \
+         lists \"tested against established performance benchmarks\" as to be added; read\n    \
+         2026-12-06), so there is no Qwen3-32B at FSDP 8 to compare with.\n\n\
+         The MFU column says what a layout allows a well-tuned stack, not what this project's\n\
          kernels reach today (the first check above).\n"
     );
     let _ = writeln!(
