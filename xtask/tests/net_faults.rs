@@ -406,6 +406,25 @@ fn training_job(slot: u8, dir: &Path, timeout: u64) -> (Net, Vec<Proxy>, Vec<Chi
     (net, px, ranks)
 }
 
+/// `step → (loss, grad norm)` as exact bits.
+type Bits = BTreeMap<u64, (u64, u64)>;
+
+/// tiny-b's 12 steps at W = 3 on loopback with `launcher` (its ranks on this machine), in
+/// `dir/loopback`: the exact losses and grad norms, the tokens/s of each step, the wall time.
+fn on_loopback(dir: &Path, launcher: &str) -> (Bits, Vec<f64>, Duration) {
+    let lo = dir.join("loopback");
+    let start = Instant::now();
+    let o = Command::new(EXE)
+        .args(tiny_b(&lo, &["--launcher", launcher, "--world-size", "3", "--timeout", "60"]))
+        .output()
+        .expect("xtask");
+    let wall = start.elapsed();
+    assert!(o.status.success(), "{}", text(&o));
+    let (bits, tps) = metrics(&lo.join("metrics.jsonl"));
+    assert_eq!(bits.len(), 12, "tiny-b has 12 steps");
+    (bits, tps, wall)
+}
+
 fn out_dir(name: &str) -> PathBuf {
     scratch(&format!("net-{name}"))
 }
@@ -422,16 +441,7 @@ fn twenty_ms_latency_and_one_percent_loss_train_bit_for_bit_as_on_loopback() {
     let _one = serial();
     let dir = out_dir("latency");
     // Loopback: the env launcher starts the 3 ranks on this machine.
-    let lo = dir.join("loopback");
-    let start = Instant::now();
-    let o = Command::new(EXE)
-        .args(tiny_b(&lo, &["--launcher", "env", "--world-size", "3", "--timeout", "60"]))
-        .output()
-        .expect("xtask");
-    let lo_wall = start.elapsed();
-    assert!(o.status.success(), "{}", text(&o));
-    let (want, lo_tps) = metrics(&lo.join("metrics.jsonl"));
-    assert_eq!(want.len(), 12, "tiny-b has 12 steps");
+    let (want, lo_tps, lo_wall) = on_loopback(&dir, "env");
 
     let net = Net::new(0, 3);
     let latency = Duration::from_millis(20);
@@ -764,16 +774,7 @@ fn mpi_ranks_in_namespaces_of_their_own_train_bit_for_bit_as_on_loopback() {
 
     let _one = serial();
     let dir = out_dir("mpi");
-    let lo = dir.join("loopback");
-    let start = Instant::now();
-    let o = Command::new(EXE)
-        .args(tiny_b(&lo, &["--launcher", "mpi", "--world-size", "3", "--timeout", "60"]))
-        .output()
-        .expect("xtask");
-    let lo_wall = start.elapsed();
-    assert!(o.status.success(), "{}", text(&o));
-    let (want, lo_tps) = metrics(&lo.join("metrics.jsonl"));
-    assert_eq!(want.len(), 12, "tiny-b has 12 steps");
+    let (want, lo_tps, lo_wall) = on_loopback(&dir, "mpi");
 
     let net = HubNet::new(5, 3);
     let wrapper = dir.join("in-rank-namespace.sh");
