@@ -1,5 +1,6 @@
 //! Crash consistency (issue #44): a W = 3 in-process job saving every step is SIGKILLed at 20
-//! points spread over its run — before, between and inside its saves. Every time, `--resume`
+//! points placed by its progress (when a save starts, and a third or two thirds of a step
+//! later) — between and inside its saves. Every time, `--resume`
 //! of the save directory picks the latest complete checkpoint (a step directory whose
 //! `index.json` was not written is never taken) and trains on bit for bit as the uninterrupted
 //! run did. The same holds for deterministic crashes inside chosen writes (the `index.json`
@@ -11,7 +12,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use common::{EXE, fixtures, scratch, text};
 
@@ -64,19 +65,50 @@ fn sigkill_at_twenty_points_of_a_saving_run_always_resumes_bit_for_bit() {
     assert!(full.status.success(), "{}", text(&full));
     let want = metrics(&dir.join("full.jsonl"));
     assert_eq!(want.len(), 8);
+    // The step directories a full run saves, in order: the kill points are placed by the
+    // run's own progress (a step directory appearing), not by the clock, so that a machine
+    // busier or idler than during the timed run moves them along with the run.
+    let mut step_dirs: Vec<String> = std::fs::read_dir(&save)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    step_dirs.sort();
+    assert_eq!(step_dirs.len(), 8, "{step_dirs:?}");
+    let step_time = took / step_dirs.len() as u32;
     let (mut partial_seen, mut resumed_from, mut finished) = (0, Vec::new(), 0);
     for k in 0..KILLS {
-        // Kill times spread over the run, from a fifth of it (after the first save) to its end.
-        let at = took.mul_f64(0.2 + 0.75 * k as f64 / KILLS as f64);
+        // Kill point k: when the run starts writing save `k % 7` (one of the first seven), and
+        // then 0, 1/3 or 2/3 of a step later: inside a save, between saves, inside a step.
+        let mark = &step_dirs[k % 7];
+        let after = step_time.mul_f64((k / 7) as f64 / 3.0);
+        let at = format!("{mark} + {after:?}");
         let save = dir.join(format!("save-{k}"));
         let out = dir.join(format!("killed-{k}"));
         let save_arg = save.display().to_string();
         let argv = args(&out, &["--save-dir", &save_arg, "--save-every", "1"]);
         let mut child =
             Command::new(EXE).args(&argv).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
-        std::thread::sleep(at);
-        if let Ok(Some(status)) = child.try_wait() {
-            // Timing: it finished first; then every step was saved.
+        let deadline = Instant::now() + 10 * took + Duration::from_secs(60);
+        let mut ended = None;
+        while !save.join(mark).exists() {
+            if let Ok(Some(status)) = child.try_wait() {
+                ended = Some(status);
+                break;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("kill {k}: the run never reached {mark}");
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if ended.is_none() {
+            std::thread::sleep(after);
+            ended = child.try_wait().ok().flatten();
+        }
+        if let Some(status) = ended {
+            // It finished first; then every step was saved.
             assert!(status.success(), "kill {k}: the run failed on its own");
             finished += 1;
             continue;
@@ -91,10 +123,7 @@ fn sigkill_at_twenty_points_of_a_saving_run_always_resumes_bit_for_bit() {
         if complete == 0 {
             // Killed before the first save ended: nothing to resume, and nothing taken.
             let r = run(&dir, &format!("resume-{k}"), &["--resume", &save.display().to_string()]);
-            assert!(
-                !r.status.success(),
-                "kill {k} at {at:?}: a resume with no complete checkpoint must fail"
-            );
+            assert!(!r.status.success(), "kill {k} at {at}: a resume with no complete checkpoint must fail");
             continue;
         }
         if steps.iter().any(|p| p.ends_with("step-000008") && p.join("index.json").is_file()) {
@@ -103,17 +132,17 @@ fn sigkill_at_twenty_points_of_a_saving_run_always_resumes_bit_for_bit() {
             continue;
         }
         let r = run(&dir, &format!("resume-{k}"), &["--resume", &save.display().to_string()]);
-        assert!(r.status.success(), "kill {k} at {at:?}: resume failed: {}", text(&r));
+        assert!(r.status.success(), "kill {k} at {at}: resume failed: {}", text(&r));
         let got = metrics(&dir.join(format!("resume-{k}.jsonl")));
         let first = *got.keys().next().unwrap_or(&8);
         resumed_from.push(first);
         for (step, m) in &got {
-            assert_eq!(Some(m), want.get(step), "kill {k} at {at:?}: step {step} after resuming differs");
+            assert_eq!(Some(m), want.get(step), "kill {k} at {at}: step {step} after resuming differs");
         }
         assert_eq!(got.keys().last(), Some(&7), "kill {k}: the resumed run reached the last step");
     }
     eprintln!(
-        "{KILLS} kill points over {took:?}: resumed from steps {resumed_from:?}; {partial_seen} left a step \
+        "{KILLS} kill points (a run: {took:?}): resumed from steps {resumed_from:?}; {partial_seen} left a step \
          directory without its index (killed inside a save); {finished} runs finished first"
     );
     assert!(finished < KILLS / 2, "most kills must land in the run: {finished} finished first");
