@@ -12,6 +12,10 @@
 //! two cores of the 2-core CI machine, Qwen3 of 29M parameters on Flex, page faults per run
 //! 0.59–0.68 M → 0.25–0.30 M and tokens/s +8 % on average over alternated runs (though within
 //! that virtual machine's run-to-run spread); single-device training on one core unchanged.
+//! Qwen3-0.6B at W = 4 (2 × 128 tokens per rank, 2 cores), whose unit buffers are larger than
+//! any mmap threshold glibc allows, once no block is mmapped and one arena serves every thread:
+//! 159 → 66 s a step, 218 M → 6.5 M page faults and 683 → 32 s of kernel time over 3 steps,
+//! the same peak memory (22.0 and 22.3 GiB).
 //! Results are bit-identical: only where memory comes from changes.
 //!
 //! Call it once at the start of `main`, before any other thread starts: it changes the
@@ -26,18 +30,22 @@
 
 /// The glibc settings of [`retain_host_memory`], as `(mallopt parameter, value, name)`.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
-const SETTINGS: [(libc::c_int, libc::c_int, &str); 4] = [
-    // Blocks up to 32 MiB (glibc's largest threshold) come from the arenas, not from mmap:
-    // unit-sized buffers (a decoder layer of a 0.6B model is ~60 MiB in f32, of the benchmark
-    // model 12.5 MiB) are reused instead of unmapped and faulted in again.
+const SETTINGS: [(libc::c_int, libc::c_int, &str); 5] = [
+    // Setting the threshold turns off glibc's dynamic one (which would follow the sizes freed).
     (libc::M_MMAP_THRESHOLD, 32 << 20, "M_MMAP_THRESHOLD"),
+    // No block is mmapped at all, however large: glibc cannot raise the threshold above
+    // 32 MiB, and Qwen3-0.6B's unit buffers (~60 MiB a decoder layer in f32, 594 MiB the
+    // embedding and its gradient) were unmapped when freed and faulted in again, page by page,
+    // on every use (218 M page faults in 3 steps at W = 4; 6.5 M without).
+    (libc::M_MMAP_MAX, 0, "M_MMAP_MAX"),
     // Never trim an arena's free top below 2 GiB (the largest `int`).
     (libc::M_TRIM_THRESHOLD, libc::c_int::MAX, "M_TRIM_THRESHOLD"),
     // Grow an arena by 256 MiB at a time, not by each request.
     (libc::M_TOP_PAD, 256 << 20, "M_TOP_PAD"),
-    // Two arenas for the whole process: memory freed by one rank thread is reused by the
-    // others instead of each thread's arena growing and shrinking on its own.
-    (libc::M_ARENA_MAX, 2, "M_ARENA_MAX"),
+    // One arena, the main one, for the whole process: memory freed by one rank thread is
+    // reused by the others, and a block larger than a thread arena's 64 MiB heap (which glibc
+    // would mmap whatever `M_MMAP_MAX` says) comes from the main heap too.
+    (libc::M_ARENA_MAX, 1, "M_ARENA_MAX"),
 ];
 
 /// Makes glibc keep freed host memory for reuse instead of returning it to the kernel; returns

@@ -30,6 +30,29 @@ fn out_dir_holds_metrics_and_summary() {
     assert!(s["comparison"].is_null());
     let png = std::fs::read(out.join("loss.png")).unwrap();
     assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "loss.png is a PNG");
+    // profile.jsonl: one line per step, rank 0's phases adding up to the step's time (the
+    // one `tokens_per_sec` is made of), the process's CPU time and its collectives.
+    let profile: Vec<serde_json::Value> = std::fs::read_to_string(out.join("profile.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(profile.len(), 3);
+    for (i, (p, step)) in profile.iter().zip(&m).enumerate() {
+        let f = |k: &str| p[k].as_f64().unwrap_or_else(|| panic!("line {i}: no {k} in {p}"));
+        assert_eq!(p["step"], i);
+        // Tokens per step = tokens/s × the step's seconds, the same every step.
+        let tokens = step.tokens_per_sec * f("seconds");
+        let first = m[0].tokens_per_sec * profile[0]["seconds"].as_f64().unwrap();
+        assert!((tokens - first).abs() <= 1e-9 * first && tokens > 1.0, "{p}");
+        assert!(f("forward_backward_seconds") > 0.0 && f("optimizer_seconds") >= 0.0, "{p}");
+        assert!((f("forward_backward_seconds") + f("optimizer_seconds") - f("seconds")).abs() < 1e-9, "{p}");
+        assert!(f("process_user_cpu_seconds") > 0.0 && f("process_system_cpu_seconds") >= 0.0, "{p}");
+        assert!(p["process_minor_faults"].as_i64().unwrap() >= 0, "{p}");
+        // Two ranks all-gather and reduce-scatter every step.
+        assert!(f("collective_seconds") > 0.0, "{p}");
+        assert!((0.0..=f("collective_seconds")).contains(&f("collective_wait_seconds")), "{p}");
+    }
 }
 
 #[test]

@@ -319,7 +319,7 @@ fn python(args: &HeadlineArgs, script: &Path, launcher: &[&str], dir: &Path, res
 
 /// `scripts/headline.py` of this repository, found from the current directory or the binary
 /// upwards.
-fn find_script() -> Result<PathBuf> {
+pub(crate) fn find_script() -> Result<PathBuf> {
     let rel = Path::new("scripts").join("headline.py");
     let starts = [std::env::current_dir().ok(), std::env::current_exe().ok()];
     for start in starts.iter().flatten() {

@@ -202,6 +202,10 @@ pub trait TrainSink: Sync {
     fn collectives(&self, per_step: serde_json::Value) {
         let _ = per_step;
     }
+    /// Where rank 0's time of the step went (called after [`step`](Self::step)).
+    fn step_timing(&self, timing: &StepTiming) {
+        let _ = timing;
+    }
     /// A sharded checkpoint was written to `dir`.
     fn checkpoint_saved(&self, dir: &Path) {
         let _ = dir;
@@ -210,6 +214,20 @@ pub trait TrainSink: Sync {
     fn exported(&self, dir: &Path) {
         let _ = dir;
     }
+}
+
+/// Rank 0's wall time of one step, by phase ([`TrainSink::step_timing`]).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct StepTiming {
+    /// Step index (into the batches).
+    pub step: usize,
+    /// The whole step, as in [`StepMetrics::tokens_per_sec`].
+    pub seconds: f64,
+    /// Forward, loss and backward of every micro-batch, the gradient norm and clipping (and
+    /// FSDP's collectives that were not overlapped).
+    pub forward_backward_seconds: f64,
+    /// The optimizer step (on this rank's shards under FSDP).
+    pub optimizer_seconds: f64,
 }
 
 /// A sink that keeps nothing (the metrics are still [`train`]'s result).

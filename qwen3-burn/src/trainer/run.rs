@@ -16,7 +16,8 @@ use burn_fsdp::{ReduceOp, StepParts, StepReport, take_step};
 
 use super::engine::{Engine, Placement};
 use super::{
-    InitialWeights, LOSS_CHUNK_BYTES, Parallelism, StepMetrics, TrainError, TrainOptions, TrainSink,
+    InitialWeights, LOSS_CHUNK_BYTES, Parallelism, StepMetrics, StepTiming, TrainError, TrainOptions,
+    TrainSink,
 };
 use crate::checkpoint::{TensorOut, WEIGHTS_FILE, write_hf_checkpoint};
 use crate::train::{Batches, loss_chunk_rows};
@@ -162,21 +163,29 @@ fn steps<B: Backend, C: CheckpointStrategy>(
             update: None,
         };
         let report = take_step(&mut parts, micro, options.clip);
+        let forward_backward = start.elapsed();
         if let Some(grads) = parts.update {
             engine = engine.step(&mut optim, grads);
         }
+        let seconds = start.elapsed().as_secs_f64();
         let StepReport { loss, grad_norm, stepped: finite, nonfinite_rank } = report?;
         let metrics = StepMetrics {
             step,
             loss,
             grad_norm,
             lr,
-            tokens_per_sec: (batches.rows * (batches.width - 1)) as f64
-                / start.elapsed().as_secs_f64().max(1e-9),
+            tokens_per_sec: (batches.rows * (batches.width - 1)) as f64 / seconds.max(1e-9),
             nonfinite_rank,
         };
         if rank == 0 {
             sink.step(&metrics)?;
+            let forward_backward_seconds = forward_backward.as_secs_f64();
+            sink.step_timing(&StepTiming {
+                step,
+                seconds,
+                forward_backward_seconds,
+                optimizer_seconds: seconds - forward_backward_seconds,
+            });
             if let Some(c) = before.as_ref().and_then(|b| engine.collectives_since(b)) {
                 sink.collectives(c);
             }

@@ -15,6 +15,7 @@
 mod alloc;
 pub(crate) mod bandwidth;
 mod memory;
+mod pace;
 pub mod scaling;
 pub(crate) mod throughput;
 
@@ -56,9 +57,26 @@ pub struct BenchArgs {
     /// Takes about 4 minutes and 21 GB of memory on a 2-core machine.
     #[arg(long, conflicts_with_all = ["quick", "activation_memory_only"])]
     pub qwen3_06b_memory: bool,
+    /// Only the seed's configuration against PyTorch FSDP2 on the same cores: Qwen3-0.6B,
+    /// W = 4 in-process ranks, 2 × 128 tokens per rank, AdamW, on one checkpoint and batches
+    /// made by `scripts/headline.py` (with `--python`'s torch). Our run and PyTorch's (4 gloo
+    /// processes, one thread each) alternate, `--rounds` times, each with one warm-up step and
+    /// `--steps` timed steps (at least 3). Prints
+    /// `qwen3_06b_fsdp_w4_vs_torch_fsdp2_step_time_ratio` (PyTorch's step time over ours),
+    /// `qwen3_06b_fsdp_w4_peak_rss_gib` and where our step's time goes. Without torch, ours
+    /// alone. About 25 minutes a round on a 2-core machine, 23 GB of memory.
+    #[arg(long, conflicts_with_all = ["quick", "activation_memory_only", "qwen3_06b_memory"])]
+    pub qwen3_06b_pace: bool,
+    /// With `--qwen3-06b-pace`: rounds of ours then PyTorch's.
+    #[arg(long, default_value_t = 1, requires = "qwen3_06b_pace")]
+    pub rounds: usize,
+    /// With `--qwen3-06b-pace`: the checkpoint, batches and every run's output (kept, so a
+    /// later run reuses the checkpoint).
+    #[arg(long, default_value = "runs/qwen3-06b-pace", requires = "qwen3_06b_pace")]
+    pub pace_dir: PathBuf,
     /// Only the scaling figures on equal cores (`fsdp_w1_vs_single`,
     /// `fsdp_w2_scaling_efficiency` and PyTorch's; see `xtask::bench::scaling`).
-    #[arg(long, conflicts_with_all = ["quick", "activation_memory_only", "qwen3_06b_memory"])]
+    #[arg(long, conflicts_with_all = ["quick", "activation_memory_only", "qwen3_06b_memory", "qwen3_06b_pace"])]
     pub scaling_only: bool,
     /// The CPU backend the scaling figures train on (`train-qwen3 --cpu-backend`).
     #[arg(long, value_enum, default_value_t = CpuBackend::DEFAULT)]
@@ -164,6 +182,11 @@ pub fn run(args: &BenchArgs) -> Result<Vec<(String, f64)>> {
         None => Ok(python.as_path()),
         Some(why) => Err(why.as_str()),
     };
+    if args.qwen3_06b_pace {
+        let figures = pace::figures(&args.pace_dir, args.rounds, args.steps, torch)?;
+        print_figures(&figures);
+        return Ok(figures);
+    }
     if args.scaling_only {
         let figures = scaling::figures(args.steps, args.cpu_backend, torch)?;
         print_figures(&figures);

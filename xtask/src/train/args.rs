@@ -54,7 +54,8 @@ pub struct TrainArgs {
     /// `tokenizer.json`, else the Qwen3 tokenizer of the repository's tests/fixtures).
     #[arg(long, requires = "data")]
     pub tokenizer: Option<PathBuf>,
-    /// Directory for this run's metrics.jsonl and summary.json (default: runs/<timestamp>).
+    /// Directory for this run's metrics.jsonl, summary.json and profile.jsonl (where each step's
+    /// time went) (default: runs/<timestamp>).
     #[arg(long)]
     pub out_dir: Option<PathBuf>,
     /// After training, compare with a reference trajectory: `single` (rerun the same model

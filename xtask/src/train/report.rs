@@ -7,8 +7,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use anyhow::{Context, Result, bail};
+use burn_fsdp::comm::local::CollectiveTime;
 use qwen3_burn::Qwen3Config;
-use qwen3_burn::trainer::{StepMetrics, TrainError, TrainSink};
+use qwen3_burn::trainer::{StepMetrics, StepTiming, TrainError, TrainSink};
 use serde::Serialize;
 
 use super::args::TrainArgs;
@@ -20,6 +21,62 @@ pub struct MetricsSink {
     file: Mutex<Option<std::io::BufWriter<std::fs::File>>>,
     quiet: bool,
     bar: Option<indicatif::ProgressBar>,
+    profile: Mutex<Option<Profile>>,
+}
+
+/// `profile.jsonl` of a run directory: per step, rank 0's time by phase
+/// ([`StepTiming`]) and what the whole process spent since the previous step (CPU time in user
+/// and kernel mode, minor page faults, time inside in-process collectives), for `bench
+/// --qwen3-06b-pace`'s breakdown.
+struct Profile {
+    file: std::io::BufWriter<std::fs::File>,
+    last: Resources,
+}
+
+/// What the process has spent so far.
+#[derive(Debug, Clone, Copy)]
+struct Resources {
+    user: f64,
+    system: f64,
+    minor_faults: i64,
+    collectives: CollectiveTime,
+}
+
+impl Resources {
+    fn now() -> Self {
+        // SAFETY: `getrusage` writes one `rusage` into the zeroed struct it is given and
+        // reads nothing else; RUSAGE_SELF is always valid.
+        let usage = unsafe {
+            let mut u: libc::rusage = std::mem::zeroed();
+            libc::getrusage(libc::RUSAGE_SELF, &mut u);
+            u
+        };
+        let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+        Self {
+            user: secs(usage.ru_utime),
+            system: secs(usage.ru_stime),
+            minor_faults: usage.ru_minflt,
+            collectives: CollectiveTime::now(),
+        }
+    }
+}
+
+/// One line of `profile.jsonl`.
+#[derive(Serialize)]
+struct ProfileLine {
+    #[serde(flatten)]
+    timing: StepTiming,
+    /// CPU seconds of the whole process (every rank and thread) in user mode since the
+    /// previous line.
+    process_user_cpu_seconds: f64,
+    /// … in the kernel (mostly page faults: fresh memory mapped and zeroed).
+    process_system_cpu_seconds: f64,
+    /// Minor page faults of the process since the previous line.
+    process_minor_faults: i64,
+    /// Wall time inside in-process collectives, summed over the ranks (threads).
+    collective_seconds: f64,
+    /// The part of `collective_seconds` spent waiting for the last rank to arrive.
+    collective_wait_seconds: f64,
 }
 
 impl MetricsSink {
@@ -36,7 +93,22 @@ impl MetricsSink {
             }
             None => None,
         };
-        Ok(Self { collectives: Mutex::new(None), file: Mutex::new(file), quiet, bar: None })
+        Ok(Self {
+            collectives: Mutex::new(None),
+            file: Mutex::new(file),
+            quiet,
+            bar: None,
+            profile: Mutex::new(None),
+        })
+    }
+
+    /// Also writes `profile.jsonl` to `path` (see [`StepTiming`]); its first line counts from
+    /// now.
+    pub fn with_profile(self, path: &Path) -> Result<Self> {
+        let file = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+        let profile = Profile { file: std::io::BufWriter::new(file), last: Resources::now() };
+        *self.profile.lock().unwrap_or_else(|p| p.into_inner()) = Some(profile);
+        Ok(self)
     }
 
     /// Records the collectives of the latest step (per mesh dimension), for `summary.json`.
@@ -103,6 +175,32 @@ impl TrainSink for MetricsSink {
 
     fn collectives(&self, per_step: serde_json::Value) {
         self.set_collectives(per_step);
+    }
+
+    fn step_timing(&self, timing: &StepTiming) {
+        let mut guard = self.profile.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(profile) = guard.as_mut() else { return };
+        let now = Resources::now();
+        let spent = now.collectives.since(&profile.last.collectives);
+        let line = ProfileLine {
+            timing: *timing,
+            process_user_cpu_seconds: now.user - profile.last.user,
+            process_system_cpu_seconds: now.system - profile.last.system,
+            process_minor_faults: now.minor_faults - profile.last.minor_faults,
+            collective_seconds: spent.total.iter().map(|d| d.as_secs_f64()).sum(),
+            collective_wait_seconds: spent.waiting.iter().map(|d| d.as_secs_f64()).sum(),
+        };
+        profile.last = now;
+        // A profile that cannot be written is not worth failing the run for: say so once
+        // and stop writing it.
+        let written = serde_json::to_string(&line)
+            .map_err(std::io::Error::other)
+            .and_then(|text| writeln!(profile.file, "{text}"))
+            .and_then(|()| profile.file.flush());
+        if let Err(e) = written {
+            eprintln!("profile.jsonl: {e}; not written further");
+            *guard = None;
+        }
     }
 
     fn checkpoint_saved(&self, dir: &Path) {

@@ -238,7 +238,9 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
     }
     let metrics_path = args.metrics.clone().unwrap_or_else(|| out_dir.join("metrics.jsonl"));
     let sink = if is_main {
-        MetricsSink::new(Some(&metrics_path), args.quiet)?.with_progress(setup.steps)
+        MetricsSink::new(Some(&metrics_path), args.quiet)?
+            .with_progress(setup.steps)
+            .with_profile(&out_dir.join("profile.jsonl"))?
     } else {
         MetricsSink::new(None, true)?
     };
