@@ -40,6 +40,15 @@ pub struct HfWeights {
 }
 
 impl HfWeights {
+    /// Gives the pages of the checkpoint's files read so far back to the kernel
+    /// ([`SafetensorsFile::release_pages`]): once every rank has its shards, the mapped files
+    /// stop counting in the process's resident memory. Reading again still works.
+    pub fn release_pages(&self) {
+        for file in &self.files {
+            file.release_pages();
+        }
+    }
+
     /// Opens `dir/model.safetensors`, or the files listed in `dir/model.safetensors.index.json`,
     /// or `path` itself when it is a `.safetensors` file.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {

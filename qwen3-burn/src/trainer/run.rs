@@ -134,6 +134,9 @@ fn steps<B: Backend, C: CheckpointStrategy>(
     let model_config = serde_json::to_value(config)
         .map_err(|e| TrainError::Invalid(format!("the model config cannot be written as JSON: {e}")))?;
     let (mut engine, place) = Engine::<B, C>::new(parallelism, config, weights, options)?;
+    // This rank's parameters are made: the checkpoint's pages it read need not stay resident
+    // through the run (an in-process rank still reading its rows maps them again).
+    weights.release_pages();
     let Placement { rank, data_rank, data_world, device } = place;
     let mut optim = options.optimizer.init::<B>();
     let first_step = match &options.resume {

@@ -50,6 +50,14 @@ impl InitialWeights {
         Qwen3::new_seeded(config, init, device)
     }
 
+    /// After the model or its shards are made: a checkpoint's mapped pages go back to the
+    /// kernel ([`HfWeights::release_pages`]); nothing for a seeded initialisation.
+    pub fn release_pages(&self) {
+        if let Self::Checkpoint(weights) = self {
+            weights.release_pages();
+        }
+    }
+
     /// The source of each rank's shards.
     pub fn shards(&self) -> &dyn ShardInit {
         match self {
