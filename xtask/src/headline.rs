@@ -298,13 +298,17 @@ impl Report {
     }
 }
 
+/// glibc settings for the PyTorch processes (headline and `bench --qwen3-06b-pace`): four
+/// PyTorch processes of Qwen3-0.6B need ~20 GB; glibc's per-thread arenas (gloo's threads)
+/// fragment that into more than a 24 GB machine has. Two arenas and trimming keep the peak at
+/// ~19 GB (measured).
+pub(crate) const TORCH_MALLOC_ENV: [(&str, &str); 2] =
+    [("MALLOC_ARENA_MAX", "2"), ("MALLOC_TRIM_THRESHOLD_", "0")];
+
 fn python(args: &HeadlineArgs, script: &Path, launcher: &[&str], dir: &Path, rest: &[&str]) -> Result<()> {
     let mut cmd = Command::new(&args.python);
     cmd.args(launcher).arg(script).arg(rest[0]).arg(dir).args(&rest[1..]);
-    // Four PyTorch processes of Qwen3-0.6B need ~20 GB; glibc's per-thread arenas (gloo's
-    // threads) fragment that into more than a 24 GB machine has. Two arenas and trimming keep
-    // the peak at ~19 GB (measured).
-    cmd.env("MALLOC_ARENA_MAX", "2").env("MALLOC_TRIM_THRESHOLD_", "0");
+    cmd.envs(TORCH_MALLOC_ENV);
     let status = cmd.status().with_context(|| {
         format!(
             "--python {}: cannot run it (install Python 3 with torch, transformers and safetensors)",

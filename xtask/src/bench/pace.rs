@@ -291,10 +291,7 @@ fn torch_run(python: &Path, dir: &Path, round: usize) -> Result<TorchRun> {
         .arg("fsdp")
         .arg(dir)
         .args(["--out", &name])
-        // As `cargo xtask headline` runs it: glibc's per-thread arenas (gloo's threads) would
-        // fragment the four processes' ~20 GB beyond a 24 GB machine.
-        .env("MALLOC_ARENA_MAX", "2")
-        .env("MALLOC_TRIM_THRESHOLD_", "0")
+        .envs(crate::headline::TORCH_MALLOC_ENV)
         .env("OMP_NUM_THREADS", "1")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -339,14 +336,8 @@ fn torch_run(python: &Path, dir: &Path, round: usize) -> Result<TorchRun> {
 
 /// CPU seconds (user + kernel) of this whole process so far.
 fn process_cpu_seconds() -> f64 {
-    // SAFETY: `getrusage` fills the zeroed struct it is given.
-    let u = unsafe {
-        let mut u: libc::rusage = std::mem::zeroed();
-        libc::getrusage(libc::RUSAGE_SELF, &mut u);
-        u
-    };
-    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
-    secs(u.ru_utime) + secs(u.ru_stime)
+    let r = crate::train::report::Resources::now();
+    r.user + r.system
 }
 
 /// CPU seconds of one call of `f`, the mean of `reps` calls after one untimed call.

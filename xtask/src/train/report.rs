@@ -35,15 +35,18 @@ struct Profile {
 
 /// What the process has spent so far.
 #[derive(Debug, Clone, Copy)]
-struct Resources {
-    user: f64,
-    system: f64,
+pub(crate) struct Resources {
+    /// CPU seconds in user mode, all threads.
+    pub(crate) user: f64,
+    /// CPU seconds in the kernel, all threads.
+    pub(crate) system: f64,
     minor_faults: i64,
     collectives: CollectiveTime,
 }
 
 impl Resources {
-    fn now() -> Self {
+    /// The process's counters now.
+    pub(crate) fn now() -> Self {
         // SAFETY: `getrusage` writes one `rusage` into the zeroed struct it is given and
         // reads nothing else; RUSAGE_SELF is always valid.
         let usage = unsafe {
