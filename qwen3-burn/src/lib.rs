@@ -10,6 +10,7 @@ pub mod config;
 pub mod error;
 pub mod generate;
 pub mod init;
+mod lookup;
 pub mod model;
 pub mod parallelize;
 pub mod tokenizer;

@@ -110,7 +110,7 @@ pub struct Embedding<B: Backend> {
 impl<B: Backend> Embedding<B> {
     /// Looks up the rows of `ids`.
     pub fn forward(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        burn::tensor::module::embedding(self.weight.val(), ids)
+        crate::lookup::embedding(self.weight.val(), ids)
     }
 }
 
