@@ -1,11 +1,16 @@
 //! Moving a backend's tensor primitive into its concrete type (and back), for the host paths
-//! that work on the CPU backends' memory directly.
+//! that work on the CPU backends' memory directly (here, and in models' own fast paths).
+//!
+//! ```
+//! use burn_fsdp::downcast::{cast, must};
+//! assert_eq!(cast::<u8, u16>(7), Err(7));
+//! assert_eq!(must::<u8, u8>(7, "a u8"), 7);
+//! ```
 
 use std::any::Any;
 
 /// `value` as type `T` when it is one (moved, not copied); else `value` back.
-#[cfg_attr(not(feature = "cpu"), allow(dead_code))]
-pub(crate) fn cast<S: 'static, T: 'static>(value: S) -> Result<T, S> {
+pub fn cast<S: 'static, T: 'static>(value: S) -> Result<T, S> {
     let mut slot = Some(value);
     match (&mut slot as &mut dyn Any).downcast_mut::<Option<T>>() {
         Some(t) => Ok(t.take().expect("the slot was just filled")),
@@ -13,9 +18,11 @@ pub(crate) fn cast<S: 'static, T: 'static>(value: S) -> Result<T, S> {
     }
 }
 
-/// `value` as type `T`, which the caller has checked it is.
-#[cfg_attr(not(feature = "cpu"), allow(dead_code))]
-pub(crate) fn must<S: 'static, T: 'static>(value: S, checked: &str) -> T {
+/// `value` as type `T`, which the caller has checked it is (`checked` says how).
+///
+/// # Panics
+/// If `value` is not a `T`: a broken invariant of the caller, naming `checked`.
+pub fn must<S: 'static, T: 'static>(value: S, checked: &str) -> T {
     match cast(value) {
         Ok(t) => t,
         Err(_) => unreachable!("{checked}"),

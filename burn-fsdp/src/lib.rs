@@ -50,7 +50,7 @@
 pub mod activation_checkpointing;
 pub mod checkpoint;
 pub mod comm;
-mod downcast;
+pub mod downcast;
 mod fsdp;
 pub mod hooks;
 pub mod host_memory;

@@ -9,8 +9,6 @@
 //! in token order: the same bits as Burn's (both start from zero and add the rows one token at
 //! a time). Every other backend and dtype uses Burn's own op.
 
-use std::any::Any;
-
 use burn::backend::Autodiff;
 use burn::backend::Flex;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -22,6 +20,7 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps, IntTensor, IntTensorOps, ModuleOps};
 use burn::tensor::{DType, Int, Shape, Tensor, TensorData, TensorMetadata, TensorPrimitive};
+use burn_fsdp::downcast::{cast, must};
 
 /// The rows of `weight` at `ids`: Burn's `embedding`, with the lighter backward on Flex.
 ///
@@ -39,23 +38,6 @@ pub(crate) fn embedding<B: Backend>(weight: Tensor<B, 2>, ids: Tensor<B, 2, Int>
         Err(back) => back,
     };
     burn::tensor::module::embedding(weight, ids)
-}
-
-/// `value` as type `T` when it is one (moved, not copied); else `value` back.
-fn cast<S: 'static, T: 'static>(value: S) -> Result<T, S> {
-    let mut slot = Some(value);
-    match (&mut slot as &mut dyn Any).downcast_mut::<Option<T>>() {
-        Some(t) => Ok(t.take().expect("the slot was just filled")),
-        None => Err(slot.expect("the slot is still filled")),
-    }
-}
-
-/// `value` as type `T`, which the caller has checked it is.
-fn must<S: 'static, T: 'static>(value: S, checked: &str) -> T {
-    match cast(value) {
-        Ok(t) => t,
-        Err(_) => unreachable!("{checked}"),
-    }
 }
 
 type FlexAd<C> = Autodiff<Flex, C>;
