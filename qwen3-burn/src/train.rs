@@ -1,6 +1,7 @@
 //! The language-modelling loss and fixed training batches.
 
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -10,7 +11,9 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, ElementConversion, IndexingUpdateOp, Int, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{
+    DType, ElementConversion, IndexingUpdateOp, Int, Tensor, TensorData, TensorMetadata, TensorPrimitive,
+};
 
 use crate::checkpoint::SafetensorsFile;
 use crate::error::{Qwen3Error, Result};
@@ -33,11 +36,17 @@ pub fn cross_entropy<B: Backend>(logits: Tensor<B, 3>, labels: Tensor<B, 2, Int>
 /// `[chunk, vocab]` pieces of them. Same value and gradients as
 /// `cross_entropy(hidden · headᵀ, labels)` (up to summation order).
 ///
-/// The gradients with respect to `hidden` and `head` are computed here, during the forward
-/// pass, chunk by chunk, and handed to autodiff as they are ([`LossBackend`]): backward
-/// registers them (scaled by the loss's incoming gradient when it is not 1) without a
-/// `head`-sized product or copy. Any scaling of the loss afterwards (`/ k` for gradient
-/// accumulation, …) scales them as it should. Use [`cross_entropy`] where no
+/// The gradient with respect to `hidden` is computed here, during the forward pass, chunk by
+/// chunk, and handed to autodiff as it is ([`LossBackend::precomputed_loss`]). So is the
+/// gradient with respect to `head` when there are at least as many tokens as hidden units.
+/// With fewer, it is made late ([`LossBackend::deferred_gradient`]): forward keeps the
+/// logits' gradient (`[tokens, vocab]`, smaller than the head's `[vocab, hidden]`: a quarter
+/// of it at 256 tokens and a hidden size of 1 024), and backward turns it into the head's
+/// gradient only when it reaches the head's other uses (a tied embedding's lookup), after
+/// every layer has freed its activations. The same sums in the same order either way: the
+/// results are bit-identical. Backward registers both (scaled by the loss's incoming gradient
+/// when it is not 1) without a `head`-sized copy. Any scaling of the loss afterwards (`/ k`
+/// for gradient accumulation, …) scales them as it should. Use [`cross_entropy`] where no
 /// backward follows (evaluation), since this one always computes the gradients.
 ///
 /// # Shapes
@@ -79,8 +88,14 @@ pub fn chunked_cross_entropy<B: LossBackend>(
             (rows.clone(), w.clone().slice([rows, 0..d]))
         })
         .collect();
-    // The head's gradient: one buffer, each block's rows summed into it in place.
-    let mut d_head = zeros_like_head::<B::InnerBackend>([v, d], w_dtype, &device);
+    let ranges: Vec<std::ops::Range<usize>> = blocks.iter().map(|(rows, _)| rows.clone()).collect();
+    // The head's gradient is made from the logits' gradient ([tokens, vocab]) and the hidden
+    // states. With fewer tokens than hidden units the logits' gradient is the smaller of the
+    // two: it is kept, with each chunk's hidden states, and the head's gradient made in
+    // backward. Else the head's gradient is made here, chunk by chunk.
+    let late = n < d;
+    let mut d_logits_of_chunks = Vec::with_capacity(if late { n.div_ceil(chunk) } else { 0 });
+    let mut d_head_now = (!late).then(|| zeros_like_head::<B::InnerBackend>([v, d], w_dtype, &device));
     for start in (0..n).step_by(chunk) {
         let rows = chunk.min(n - start);
         let h_c = h.clone().narrow(0, start, rows);
@@ -112,20 +127,66 @@ pub fn chunked_cross_entropy<B: LossBackend>(
                 Some(acc) => acc + part,
                 None => part,
             });
-            // d_head[block] += d_blockᵀ · h_c
-            d_head = add_rows(d_head, range.clone(), d_b.transpose().matmul(h_c.clone()));
         }
         d_hidden.push(d_h.expect("the vocabulary has at least one entry"));
+        match d_head_now.take() {
+            Some(d_head) => d_head_now = Some(add_head_gradient(d_head, &ranges, h_c, d_logits)),
+            None => d_logits_of_chunks.push((h_c, d_logits)),
+        }
     }
+    drop(blocks);
     let d_hidden = Tensor::cat(d_hidden, 0);
     let d_hidden = if d_hidden.dtype() == h_dtype { d_hidden } else { d_hidden.cast(h_dtype) };
     let value = loss_sum.div_scalar(n as f64);
+    let head = head.into_primitive().tensor();
+    let (second, d_second) = match d_head_now {
+        Some(d_head) => (head, d_head.into_primitive().tensor()),
+        None => {
+            let d_head = DeferredGradient::new(move || {
+                // One buffer, each block's rows summed into it in place, chunk after chunk
+                // (each chunk's logits' gradient freed once used): the same sums, in the same
+                // order, as when made in forward.
+                let mut d_head = zeros_like_head::<B::InnerBackend>([v, d], w_dtype, &device);
+                for (h_c, d_logits) in d_logits_of_chunks {
+                    d_head = add_head_gradient(d_head, &ranges, h_c, d_logits);
+                }
+                d_head.into_primitive().tensor()
+            });
+            // The loss hands its incoming gradient `g` on to the head's deferred node as
+            // `g · 1`.
+            let one = Tensor::<B::InnerBackend, 1>::ones([1], &value.device()).into_primitive().tensor();
+            match B::deferred_gradient(head.clone(), d_head) {
+                Some(node) => (node, one),
+                // An untracked head takes no gradient: the deferred one is dropped unmade.
+                None => (head, one),
+            }
+        }
+    };
     let loss = B::precomputed_loss(
         value.into_primitive().tensor(),
-        [hidden.into_primitive().tensor(), head.into_primitive().tensor()],
-        [d_hidden.into_primitive().tensor(), d_head.into_primitive().tensor()],
+        [hidden.into_primitive().tensor(), second],
+        [d_hidden.into_primitive().tensor(), d_second],
     );
     Tensor::from_primitive(TensorPrimitive::Float(loss))
+}
+
+/// `d_head[block] += d_logits[:, block]ᵀ · h_c` for every vocabulary block of `ranges`, in
+/// order: one chunk's contribution to the head's gradient.
+///
+/// # Shapes
+/// - d_head: `[vocab, hidden]`, h_c: `[rows, hidden]`, d_logits: `[rows, vocab]`
+fn add_head_gradient<B: Backend>(
+    mut d_head: Tensor<B, 2>,
+    ranges: &[std::ops::Range<usize>],
+    h_c: Tensor<B, 2>,
+    d_logits: Tensor<B, 2>,
+) -> Tensor<B, 2> {
+    let rows = h_c.dims()[0];
+    for range in ranges {
+        let d_b = d_logits.clone().slice([0..rows, range.clone()]);
+        d_head = add_rows(d_head, range.clone(), d_b.transpose().matmul(h_c.clone()));
+    }
+    d_head
 }
 
 /// Zeros of the head's shape and dtype. On Flex, `f32` zeros are handed over as one zeroed
@@ -234,6 +295,71 @@ pub trait LossBackend: AutodiffBackend {
         inputs: [FloatTensor<Self>; 2],
         grads: [FloatTensor<Self::InnerBackend>; 2],
     ) -> FloatTensor<Self>;
+
+    /// A tracked `[1]` zero that depends on `input` alone: its backward runs `gradient` and
+    /// adds `g · gradient()` to `input`'s gradient, `g` being this output's incoming gradient.
+    /// Backward runs a node after every node deeper than it, so this one runs beside
+    /// `input`'s other direct uses (for a model's head tied to its embedding: after every
+    /// layer, beside the lookup), and the gradient exists only from then on. `None` when
+    /// `input` is not tracked (`gradient` is dropped unrun).
+    ///
+    /// Feed the result to [`precomputed_loss`](Self::precomputed_loss) with a gradient of
+    /// one: the loss's incoming gradient then reaches `gradient`.
+    fn deferred_gradient(
+        input: FloatTensor<Self>,
+        gradient: DeferredGradient<Self::InnerBackend>,
+    ) -> Option<FloatTensor<Self>>;
+}
+
+/// A gradient made when backward needs it ([`LossBackend::deferred_gradient`]): a closure run
+/// at most once, on the inner backend.
+pub struct DeferredGradient<B: Backend>(Arc<Mutex<Option<DeferredFn<B>>>>);
+
+/// The closure of a [`DeferredGradient`].
+type DeferredFn<B> = Box<dyn FnOnce() -> FloatTensor<B> + Send>;
+
+impl<B: Backend> DeferredGradient<B> {
+    /// The gradient `make()` returns, made when backward reaches it.
+    pub fn new(make: impl FnOnce() -> FloatTensor<B> + Send + 'static) -> Self {
+        Self(Arc::new(Mutex::new(Some(Box::new(make)))))
+    }
+
+    /// Makes the gradient; `None` when it was made already.
+    fn take(&self) -> Option<FloatTensor<B>> {
+        let make = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
+        make.map(|make| make())
+    }
+}
+
+impl<B: Backend> Clone for DeferredGradient<B> {
+    fn clone(&self) -> Self {
+        Self(self.0.clone())
+    }
+}
+
+impl<B: Backend> std::fmt::Debug for DeferredGradient<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DeferredGradient")
+    }
+}
+
+/// Backward of [`LossBackend::deferred_gradient`]: makes the gradient, scales it by the
+/// incoming one and registers it on the input.
+#[derive(Debug)]
+struct Deferred;
+
+impl<B: Backend> Backward<B, 1> for Deferred {
+    type State = DeferredGradient<B>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let incoming = grads.consume::<B>(&ops.node);
+        let g = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(incoming)).into_scalar().elem::<f64>();
+        let [Some(parent)] = &ops.parents else { return };
+        let Some(grad) = ops.state.take() else { return };
+        // `x · 1 = x` exactly, as in `PrecomputedLoss`.
+        let grad = if g == 1.0 { grad } else { B::float_mul_scalar(grad, g.into()) };
+        grads.register::<B>(parent.id, grad);
+    }
 }
 
 /// Backward of [`LossBackend::precomputed_loss`]: its state is the gradients.
@@ -267,6 +393,21 @@ impl<B: Backend, C: CheckpointStrategy> LossBackend for Autodiff<B, C> {
         match PrecomputedLoss.prepare::<C>([x.node, y.node]).compute_bound().stateful() {
             OpsKind::Tracked(prep) => prep.finish(state, value),
             OpsKind::UnTracked(prep) => prep.finish(value),
+        }
+    }
+
+    fn deferred_gradient(
+        input: FloatTensor<Self>,
+        gradient: DeferredGradient<B>,
+    ) -> Option<FloatTensor<Self>> {
+        if !input.is_tracked() {
+            return None;
+        }
+        let device = B::float_device(&input.primitive);
+        let zero = B::float_zeros([1].into(), &device, input.primitive.dtype().into());
+        match Deferred.prepare::<C>([input.node]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => Some(prep.finish(gradient, zero)),
+            OpsKind::UnTracked(prep) => Some(prep.finish(zero)),
         }
     }
 }
@@ -389,5 +530,50 @@ mod tests {
         assert_eq!(bytes_at(&twice), at, "an unshared accumulator is written in place");
         let want_twice = want.clone().slice_assign([6..9, 0..4], want.slice([6..9, 0..4]) + part);
         assert_eq!(twice.to_data(), want_twice.to_data());
+    }
+
+    /// A deferred gradient is made after every node deeper than it (here: after the deferred
+    /// gradient of a value three ops further from the leaf), once, scaled by what reaches it.
+    #[test]
+    fn a_deferred_gradient_is_made_after_deeper_nodes_and_scaled_by_the_incoming_gradient() {
+        use std::sync::{Arc, Mutex};
+
+        use burn::backend::Autodiff;
+
+        use super::{DeferredGradient, LossBackend};
+
+        type A = Autodiff<NdArray>;
+        let device = Default::default();
+        for scale in [1.0, 2.0] {
+            let w = Tensor::<A, 1>::from_floats([1.0, 2.0, 3.0], &device).require_grad();
+            // h = 3 · (2w + 1): ∂h/∂w = 6 per element, three ops deeper than w.
+            let h = w.clone().mul_scalar(2.0).add_scalar(1.0).mul_scalar(3.0);
+            let made = Arc::new(Mutex::new(Vec::new()));
+            let deferred = |name: &'static str, value: f32| {
+                let made = made.clone();
+                DeferredGradient::<NdArray>::new(move || {
+                    made.lock().unwrap().push(name);
+                    Tensor::<NdArray, 1>::full([3], value, &device).into_primitive().tensor()
+                })
+            };
+            let prim = |t: Tensor<A, 1>| t.into_primitive().tensor();
+            let shallow = A::deferred_gradient(prim(w.clone()), deferred("w", 10.0)).expect("w is tracked");
+            let deep = A::deferred_gradient(prim(h), deferred("h", 1.0)).expect("h is tracked");
+            let half = || Tensor::<NdArray, 1>::full([1], 0.5, &device).into_primitive().tensor();
+            let value = Tensor::<NdArray, 1>::zeros([1], &device).into_primitive().tensor();
+            let loss = A::precomputed_loss(value, [deep, shallow], [half(), half()]);
+            let loss = Tensor::<A, 1>::from_primitive(TensorPrimitive::Float(loss)).mul_scalar(scale);
+            let grads = loss.backward();
+            assert_eq!(*made.lock().unwrap(), ["h", "w"], "the deeper node's gradient is made first");
+            // scale · 0.5 · (10 + 6 · 1)
+            let want = (scale * 0.5 * 16.0) as f32;
+            let got = w.grad(&grads).expect("w has a gradient").into_data();
+            got.assert_eq(&burn::tensor::TensorData::from([want; 3]), true);
+        }
+        // An untracked input takes no deferred gradient, and the closure is dropped unrun.
+        let x = Tensor::<A, 1>::ones([3], &device).into_primitive().tensor();
+        let unrun =
+            DeferredGradient::<NdArray>::new(|| unreachable!("an untracked input's gradient is never made"));
+        assert!(A::deferred_gradient(x, unrun).is_none());
     }
 }

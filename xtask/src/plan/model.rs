@@ -266,7 +266,7 @@ pub struct Memory {
     /// layers (the one computing and the one prefetched), or every layer when none is resharded.
     pub gathered: f64,
     /// Activations kept for backward (see [`activations_per_token`]), with the chunked loss's
-    /// logits.
+    /// gradient kept for the head's (see [`memory`]) and a chunk of logits.
     pub activations: f64,
     /// At the end of backward: the root unit's whole gradient as the reduce-scatter takes it
     /// (its flat buffer, the gradients of its parameters, and with a tied head the head's
@@ -276,6 +276,9 @@ pub struct Memory {
     /// parameters' gradients), the one in flight to its reduce-scatter on the communication
     /// thread and the one forming.
     pub layer_gradient: f64,
+    /// One layer's activations (of [`activations`](Self::activations)): the last layer's
+    /// are freed by its backward as its gradient forms.
+    pub layer_activations: f64,
     /// With accumulation (`grad_accum` > 1): every unit's unsharded gradient, kept on the
     /// device from the first micro-batch's backward to the last one's (FSDP2's
     /// `set_requires_gradient_sync(false)`), in the compute dtype.
@@ -291,13 +294,15 @@ pub struct Memory {
 }
 
 impl Memory {
-    /// At the start of backward.
+    /// At the start of backward: the end of forward (every activation kept, the loss's
+    /// gradients made), or, when larger, the first layers' backward, whose gradients form as
+    /// the last layer's activations are freed.
     pub fn start_of_backward(&self) -> f64 {
         self.parameters
             + self.optimizer
             + self.gathered
             + self.activations
-            + self.layer_gradient
+            + (self.layer_gradient - self.layer_activations).max(0.0)
             + self.accumulated
     }
 
@@ -353,14 +358,26 @@ pub fn memory(c: &Qwen3Config, l: &Layout) -> Memory {
     let tokens = (l.rows / l.grad_accum.max(1) * positions) as f64;
     let per_layer = activations_per_token(c, tp, positions) * tokens * compute;
     let layers = c.num_hidden_layers as f64;
-    let kept = if l.activation_checkpointing {
-        // Each layer's input, and one layer's activations while it runs again.
-        layers * tokens * c.hidden_size as f64 * compute + per_layer
+    let inputs = layers * tokens * c.hidden_size as f64 * compute;
+    // The chunked loss (`qwen3_burn::train::chunked_cross_entropy`), at its peak: the head's
+    // gradient, made in forward, and a chunk's logits (≤ 64 MiB) as three buffers at once
+    // (shifted, exponentiated, the gradient); or, with fewer tokens than hidden units, the
+    // logits' gradient of every token (the current chunk's among them), kept for the head's.
+    let logits = tokens * c.vocab_size as f64 * 4.0;
+    let chunk = (qwen3_burn::trainer::LOSS_CHUNK_BYTES as f64).min(logits);
+    let (loss_kept, loss_made) = if tokens < c.hidden_size as f64 {
+        (logits - chunk, 2.0 * chunk)
     } else {
-        layers * per_layer
+        ((c.vocab_size * c.hidden_size) as f64 * 4.0, 3.0 * chunk)
     };
-    // The chunked loss: one 64 MiB chunk of logits and its gradient.
-    let loss = 2.0 * (qwen3_burn::trainer::LOSS_CHUNK_BYTES as f64).min(tokens * c.vocab_size as f64 * 4.0);
+    let activations = if l.activation_checkpointing {
+        // Each layer's input, and what the loss keeps for backward; then either the loss's
+        // chunk being made (forward) or one layer's activations while it runs again
+        // (backward), never both.
+        inputs + loss_kept + loss_made.max(per_layer)
+    } else {
+        layers * per_layer + loss_kept + loss_made
+    };
     let states = (4.0 * shard, 4.0 * shard, 8.0 * shard);
     let (on_device, host) =
         if l.offload { ((0.0, 0.0, 0.0), states.0 + states.1 + states.2) } else { (states, 0.0) };
@@ -373,9 +390,10 @@ pub fn memory(c: &Qwen3Config, l: &Layout) -> Memory {
         gradients: on_device.1,
         optimizer: on_device.2,
         gathered: (root + gathered_layers * layer) * compute,
-        activations: kept + loss,
+        activations,
         comm_buffers: (2.0 * root + tied) * 4.0,
         layer_gradient: 2.0 * 2.0 * layer * 4.0,
+        layer_activations: per_layer,
         accumulated: if l.grad_accum > 1 { units.iter().map(full).sum::<f64>() * compute } else { 0.0 },
         root_gathered: root * compute,
         host,
