@@ -371,10 +371,12 @@ pub fn memory(c: &Qwen3Config, l: &Layout) -> Memory {
         ((c.vocab_size * c.hidden_size) as f64 * 4.0, 3.0 * chunk)
     };
     let activations = if l.activation_checkpointing {
-        // Each layer's input, and what the loss keeps for backward; then either the loss's
-        // chunk being made (forward) or one layer's activations while it runs again
-        // (backward), never both.
-        inputs + loss_kept + loss_made.max(per_layer)
+        // Each layer's input and the leaf holding its output, the final norm's input and
+        // output and the hidden states' gradient, and what the loss keeps for backward; then
+        // either the loss's chunk being made (forward) or one layer's activations while it
+        // runs again (backward), never both.
+        let hidden_states = tokens * c.hidden_size as f64 * compute;
+        2.0 * inputs + 3.0 * hidden_states + loss_kept + loss_made.max(per_layer)
     } else {
         layers * per_layer + loss_kept + loss_made
     };
