@@ -352,14 +352,21 @@ impl<B: Backend> Backward<B, 1> for Deferred {
     type State = DeferredGradient<B>;
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
-        let incoming = grads.consume::<B>(&ops.node);
-        let g = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(incoming)).into_scalar().elem::<f64>();
+        let g = incoming_scalar::<B>(grads.consume::<B>(&ops.node));
         let [Some(parent)] = &ops.parents else { return };
         let Some(grad) = ops.state.take() else { return };
-        // `x · 1 = x` exactly, as in `PrecomputedLoss`.
-        let grad = if g == 1.0 { grad } else { B::float_mul_scalar(grad, g.into()) };
-        grads.register::<B>(parent.id, grad);
+        grads.register::<B>(parent.id, scaled::<B>(grad, g));
     }
+}
+
+/// A `[1]` incoming gradient as a scalar.
+fn incoming_scalar<B: Backend>(incoming: FloatTensor<B>) -> f64 {
+    Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(incoming)).into_scalar().elem::<f64>()
+}
+
+/// `grad · g`; `x · 1 = x` exactly, so the common case (no scaling) hands the buffer over as is.
+fn scaled<B: Backend>(grad: FloatTensor<B>, g: f64) -> FloatTensor<B> {
+    if g == 1.0 { grad } else { B::float_mul_scalar(grad, g.into()) }
 }
 
 /// Backward of [`LossBackend::precomputed_loss`]: its state is the gradients.
@@ -370,13 +377,10 @@ impl<B: Backend> Backward<B, 2> for PrecomputedLoss {
     type State = [Option<FloatTensor<B>>; 2];
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
-        let incoming = grads.consume::<B>(&ops.node);
-        let g = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(incoming)).into_scalar().elem::<f64>();
+        let g = incoming_scalar::<B>(grads.consume::<B>(&ops.node));
         for (parent, grad) in ops.parents.iter().zip(ops.state) {
             let (Some(parent), Some(grad)) = (parent, grad) else { continue };
-            // `x · 1 = x` exactly: the common case (no scaling) hands the buffer over as is.
-            let grad = if g == 1.0 { grad } else { B::float_mul_scalar(grad, g.into()) };
-            grads.register::<B>(parent.id, grad);
+            grads.register::<B>(parent.id, scaled::<B>(grad, g));
         }
     }
 }
