@@ -41,7 +41,10 @@ mod fused {
     }
 
     /// No fused sum of squares: the generic path.
-    pub(super) fn sq_sum<B: Backend, const D: usize>(_grad: &Tensor<B, D>) -> Option<f32> {
+    pub(super) fn sq_sum<B: Backend, const D: usize>(
+        _grad: &Tensor<B, D>,
+        _squares: &mut Vec<f32>,
+    ) -> Option<f32> {
         None
     }
 }
@@ -267,11 +270,13 @@ pub fn grad_sq_sum<AB: AutodiffBackend, M: AutodiffModule<AB>>(module: &M, grads
     struct SqSum<'a, B: Backend> {
         grads: &'a GradientsParams,
         total: Option<Tensor<B, 1>>,
+        /// [`sq_sum`]'s buffer, freed with this pass.
+        squares: Vec<f32>,
     }
     impl<AB: AutodiffBackend> ModuleVisitor<AB> for SqSum<'_, AB::InnerBackend> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
             if let Some(g) = self.grads.get::<AB::InnerBackend, D>(param.id) {
-                let s = sq_sum(g);
+                let s = sq_sum(g, &mut self.squares);
                 self.total = Some(match self.total.take() {
                     Some(t) => t + s,
                     None => s,
@@ -279,15 +284,15 @@ pub fn grad_sq_sum<AB: AutodiffBackend, M: AutodiffModule<AB>>(module: &M, grads
             }
         }
     }
-    let mut v = SqSum::<AB::InnerBackend> { grads, total: None };
+    let mut v = SqSum::<AB::InnerBackend> { grads, total: None, squares: Vec::new() };
     module.visit(&mut v);
     v.total.map(|t| t.into_scalar_f64()).unwrap_or(0.0)
 }
 
 /// `Σ g²` as a one-element tensor: `g.square().sum()`, without its gradient-sized temporary on
-/// Flex `f32` (the same bits, see `fused::sq_sum`).
-fn sq_sum<B: Backend, const D: usize>(g: Tensor<B, D>) -> Tensor<B, 1> {
-    match fused::sq_sum(&g) {
+/// Flex `f32` (the same bits, see `fused::sq_sum`; `squares` is its buffer).
+fn sq_sum<B: Backend, const D: usize>(g: Tensor<B, D>, squares: &mut Vec<f32>) -> Tensor<B, 1> {
+    match fused::sq_sum(&g, squares) {
         Some(s) => Tensor::from_data(TensorData::new(vec![s], [1]), &g.device()),
         None => g.square().sum(),
     }
@@ -323,13 +328,15 @@ pub fn grad_sq_sum_split<AB: AutodiffBackend, M: AutodiffModule<AB>>(
         grads: &'a GradientsParams,
         first: F,
         totals: [Option<Tensor<B, 1>>; 2],
+        /// [`sq_sum`]'s buffer, freed with this pass.
+        squares: Vec<f32>,
     }
     impl<AB: AutodiffBackend, F: Fn(burn::module::ParamId) -> bool> ModuleVisitor<AB>
         for SqSum<'_, AB::InnerBackend, F>
     {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
             if let Some(g) = self.grads.get::<AB::InnerBackend, D>(param.id) {
-                let s = sq_sum(g);
+                let s = sq_sum(g, &mut self.squares);
                 let slot = &mut self.totals[usize::from(!(self.first)(param.id))];
                 *slot = Some(match slot.take() {
                     Some(t) => t + s,
@@ -338,7 +345,7 @@ pub fn grad_sq_sum_split<AB: AutodiffBackend, M: AutodiffModule<AB>>(
             }
         }
     }
-    let mut v = SqSum::<AB::InnerBackend, _> { grads, first, totals: [None, None] };
+    let mut v = SqSum::<AB::InnerBackend, _> { grads, first, totals: [None, None], squares: Vec::new() };
     module.visit(&mut v);
     let [a, b] = v.totals;
     (a.map(|t| t.into_scalar_f64()).unwrap_or(0.0), b.map(|t| t.into_scalar_f64()).unwrap_or(0.0))

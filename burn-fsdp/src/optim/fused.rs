@@ -140,27 +140,22 @@ fn transposed_f32(t: &FlexTensor) -> Option<FlexTensor> {
     Some(FlexTensor::from_data(burn::tensor::TensorData::new(out, [rows, cols])))
 }
 
-thread_local! {
-    /// [`sq_sum`]'s squares, reused from gradient to gradient.
-    static SQUARES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
 /// `Σ x²` of a Flex `f32` gradient in standard layout, computed as `grad.square().sum()` does
 /// on Flex — the squares in order, then Flex's own SIMD sum over them — so the same bits, but
-/// into a buffer kept from call to call instead of a fresh gradient-sized tensor. `None` for
-/// anything else (other backends, dtypes, layouts: the caller takes the generic path).
-pub(super) fn sq_sum<B: Backend, const D: usize>(grad: &Tensor<B, D>) -> Option<f32> {
+/// into `squares`, a buffer the caller reuses from gradient to gradient of one norm instead
+/// of a fresh gradient-sized tensor each. The caller drops it after the norm: kept from step
+/// to step (it once was, thread-local), it held the largest gradient shard's size per rank
+/// between steps and through the next step's peak. `None` for anything else (other
+/// backends, dtypes, layouts: the caller takes the generic path).
+pub(super) fn sq_sum<B: Backend, const D: usize>(grad: &Tensor<B, D>, squares: &mut Vec<f32>) -> Option<f32> {
     let t = cast::<FloatTensor<B>, FlexTensor>(grad.clone().into_primitive().tensor()).ok()?;
     if t.dtype() != DType::F32 {
         return None;
     }
     let x = t.as_slice::<f32>()?;
-    SQUARES.with(|squares| {
-        let mut squares = squares.borrow_mut();
-        squares.clear();
-        squares.extend(x.iter().map(|v| v * v));
-        Some(burn::backend::flex::simd::kernels::sum_f32(&squares))
-    })
+    squares.clear();
+    squares.extend(x.iter().map(|v| v * v));
+    Some(burn::backend::flex::simd::kernels::sum_f32(squares))
 }
 
 #[cfg(test)]
@@ -238,7 +233,11 @@ mod tests {
             let g =
                 Tensor::<Flex, 2>::random([rows, cols], Distribution::Normal(0.0, 1.0), &dev).mul_scalar(3.0);
             let want = g.clone().square().sum().into_scalar();
-            assert_eq!(super::sq_sum(&g).map(f32::to_bits), Some(want.to_bits()), "{rows}x{cols}");
+            assert_eq!(
+                super::sq_sum(&g, &mut Vec::new()).map(f32::to_bits),
+                Some(want.to_bits()),
+                "{rows}x{cols}"
+            );
             let t = g.clone().transpose();
             let flex_t = t.clone().square().sum().into_scalar();
             let standard = super::standard_layout(t.clone());
@@ -247,9 +246,13 @@ mod tests {
                 _ => unreachable!("a float tensor"),
             }
             assert_eq!(standard.to_data(), t.to_data(), "values unchanged");
-            assert_eq!(super::sq_sum(&standard).map(f32::to_bits), Some(flex_t.to_bits()), "{rows}x{cols}ᵀ");
+            assert_eq!(
+                super::sq_sum(&standard, &mut Vec::new()).map(f32::to_bits),
+                Some(flex_t.to_bits()),
+                "{rows}x{cols}ᵀ"
+            );
         }
         let nd = Tensor::<NdArray, 1>::ones([4], &Default::default());
-        assert_eq!(super::sq_sum(&nd), None, "NdArray takes the generic path");
+        assert_eq!(super::sq_sum(&nd, &mut Vec::new()), None, "NdArray takes the generic path");
     }
 }
