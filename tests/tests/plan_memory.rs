@@ -122,6 +122,8 @@ fn plan_memory_is_within_ten_percent_of_the_live_bytes() {
         flat(2, 4, 129),
         flat(4, 2, 257),
         flat(3, 1, 513),
+        // Fewer tokens a rank (128) than hidden units: the head's gradient is made late.
+        flat(2, 1, 129),
         // Two micro-batches: the first one's unsharded gradients stay through the second.
         Layout { grad_accum: 2, ..flat(2, 4, 129) },
         // Each layer's input kept, one layer's activations while it runs again.

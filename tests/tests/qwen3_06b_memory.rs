@@ -157,11 +157,11 @@ fn qwen3_0_6b_width_w4<B: Backend>(roots_per_rank: usize) {
     //    reduce-scattered), plus 5 % for activations and staging. NdArray: three, measured
     //    2.75 (9,385 MiB in all; 2.9 before the head's gradient was made late, 3.7 while the
     //    loss handed its gradients over through a surrogate product). Flex, the default: two,
-    //    measured 1.5 (6,418 MiB; its ranks share the gathered buffer and its cut). Between
-    //    steps the bound catches a gradient-sized buffer kept from step to step (the global
-    //    norm's squares once were, thread-local: +594 MiB on Flex). The old path (every rank
-    //    building the whole model) would add W full copies of the model and fail both this and
-    //    the allocation check.
+    //    measured 1.5–1.75 (6,418–7,012 MiB over four runs, as the ranks interleave; they share
+    //    the gathered buffer and its cut). Between steps the bound catches a gradient-sized
+    //    buffer kept from step to step (the global norm's squares once were, thread-local:
+    //    +594 MiB on Flex). The old path (every rank building the whole model) would add W
+    //    full copies of the model and fail both this and the allocation check.
     let shard_bytes: usize = shards.iter().sum::<usize>() * WORLD;
     assert!(
         r.after_wrap as f64 <= 1.05 * shard_bytes as f64,

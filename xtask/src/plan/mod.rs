@@ -557,14 +557,13 @@ pub fn scaling_table(args: &PlanArgs) -> Result<String> {
          FSDP at W = 2, 3, 4, 6, 8, HSDP, DP × TP, accumulation, bf16, offload, no resharding,\n  \
          activation checkpointing);\n\
          - memory: between steps and at the peak within 10 % of the live-bytes counters of FSDP\n  \
-         runs on the CPU (`tests/tests/plan_memory.rs`, W = 2, 3, 4, accumulation, and offload\n  \
-         with the host's bytes added, the CPU's one memory holding both;\n  \
-         `bench --qwen3-06b-memory` prints the ratio for the full Qwen3-0.6B at W = 4: 0.997 at\n  \
-         the peak, 1.000 between steps). With block activation checkpointing the peak is an upper\n  \
-         bound (15 % above the measurement there: the loss's logits and a recomputed layer are\n  \
-         counted as live together). The activation term counts what this implementation keeps\n  \
-         (attention scores materialised): fused attention would need less; bf16 and DP × TP\n  \
-         memory are modelled but not yet measured;\n\
+         runs on the CPU (`tests/tests/plan_memory.rs`, W = 2, 3, 4, fewer tokens a rank than\n  \
+         hidden units, accumulation, block activation checkpointing, and offload with the host's\n  \
+         bytes added, the CPU's one memory holding both; `bench --qwen3-06b-memory` prints the\n  \
+         ratio for the full Qwen3-0.6B at W = 4: 0.983 at the peak, 1.000 between steps). The\n  \
+         activation term counts what this implementation keeps (attention scores materialised):\n  \
+         fused attention would need less; bf16 and DP × TP memory are modelled but not yet\n  \
+         measured;\n\
          - step time: a model of a well-tuned stack (compute at the efficiency above), held\n  \
          against the training paces measured so far:",
         e.compute * 100.0,
