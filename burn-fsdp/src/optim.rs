@@ -267,26 +267,7 @@ impl<AB: AutodiffBackend> ModuleMapper<AB> for StepMapper<'_, AB::InnerBackend> 
 ///
 /// This is the local part of a global norm: FSDP sums it over ranks before the square root.
 pub fn grad_sq_sum<AB: AutodiffBackend, M: AutodiffModule<AB>>(module: &M, grads: &GradientsParams) -> f64 {
-    struct SqSum<'a, B: Backend> {
-        grads: &'a GradientsParams,
-        total: Option<Tensor<B, 1>>,
-        /// [`sq_sum`]'s buffer, freed with this pass.
-        squares: Vec<f32>,
-    }
-    impl<AB: AutodiffBackend> ModuleVisitor<AB> for SqSum<'_, AB::InnerBackend> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
-            if let Some(g) = self.grads.get::<AB::InnerBackend, D>(param.id) {
-                let s = sq_sum(g, &mut self.squares);
-                self.total = Some(match self.total.take() {
-                    Some(t) => t + s,
-                    None => s,
-                });
-            }
-        }
-    }
-    let mut v = SqSum::<AB::InnerBackend> { grads, total: None, squares: Vec::new() };
-    module.visit(&mut v);
-    v.total.map(|t| t.into_scalar_f64()).unwrap_or(0.0)
+    grad_sq_sum_split::<AB, M>(module, grads, |_| true).0
 }
 
 /// `Σ g²` as a one-element tensor: `g.square().sum()`, without its gradient-sized temporary on

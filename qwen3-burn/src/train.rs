@@ -31,6 +31,13 @@ pub fn cross_entropy<B: Backend>(logits: Tensor<B, 3>, labels: Tensor<B, 2, Int>
     picked.mean().neg()
 }
 
+/// Whether [`chunked_cross_entropy`] makes the head's gradient late, in backward, from the
+/// kept logits' gradient: with fewer `tokens` than `hidden` units, where the logits' gradient
+/// (`[tokens, vocab]`) is the smaller of the two.
+pub fn head_gradient_made_late(tokens: usize, hidden: usize) -> bool {
+    tokens < hidden
+}
+
 /// [`cross_entropy`] of the LM head's logits `hidden · headᵀ`, computed `chunk` token rows at
 /// a time: the `[tokens, vocab]` logits (and their log-softmax) never exist at once, only
 /// `[chunk, vocab]` pieces of them. Same value and gradients as
@@ -93,7 +100,7 @@ pub fn chunked_cross_entropy<B: LossBackend>(
     // states. With fewer tokens than hidden units the logits' gradient is the smaller of the
     // two: it is kept, with each chunk's hidden states, and the head's gradient made in
     // backward. Else the head's gradient is made here, chunk by chunk.
-    let late = n < d;
+    let late = head_gradient_made_late(n, d);
     let mut d_logits_of_chunks = Vec::with_capacity(if late { n.div_ceil(chunk) } else { 0 });
     let mut d_head_now = (!late).then(|| zeros_like_head::<B::InnerBackend>([v, d], w_dtype, &device));
     for start in (0..n).step_by(chunk) {

@@ -370,7 +370,7 @@ pub fn memory(c: &Qwen3Config, l: &Layout) -> Memory {
     let chunk = (qwen3_burn::trainer::LOSS_CHUNK_BYTES as f64).min(logits);
     // With fewer tokens than hidden units the head's gradient is made late, from the kept
     // logits' gradient, at the end of backward (`LossBackend::deferred_gradient`).
-    let head_gradient_late = tokens < c.hidden_size as f64;
+    let head_gradient_late = qwen3_burn::train::head_gradient_made_late(tokens as usize, c.hidden_size);
     let (loss_kept, loss_made) = if head_gradient_late {
         (logits - chunk, 2.0 * chunk)
     } else {
