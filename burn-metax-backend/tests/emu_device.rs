@@ -7,7 +7,9 @@
 //! - 1: wave **32**, to show that wave-64 code with plane operations goes wrong on it;
 //! - 2: wave 64 with a 150 ms delay before every kernel, so a missing stream wait is certain to
 //!   read stale data;
-//! - 3: wave 64, for the kernel that faults (a fault poisons its device).
+//! - 3: wave 64, for the kernel that faults (a fault poisons its device);
+//! - 4–7: wave 64, one per stream-ordering test, each under the rule it tests (the rule is set
+//!   per device: tests run in parallel).
 
 mod gpu_checks;
 
@@ -15,8 +17,11 @@ use std::sync::Once;
 use std::time::Duration;
 
 use burn::tensor::{Tensor, TensorData};
+use burn_metax_backend::driver::StreamHandle;
 use burn_metax_backend::emu::{EmuConfig, EmuDeviceConfig, EmuDriver};
-use burn_metax_backend::runtime::{MetaxEmuPlatform, install_emu_driver};
+use burn_metax_backend::runtime::{
+    MetaxEmuPlatform, Platform, StreamOrdering, emu_driver, install_emu_driver, registry, set_stream_ordering,
+};
 use burn_metax_backend::{MetaxEmu, MetaxEmuDevice, MetaxEmuRuntime};
 use cubecl_core as cubecl;
 use cubecl_core::prelude::*;
@@ -26,12 +31,20 @@ const WAVE32: MetaxEmuDevice = MetaxEmuDevice::new(1);
 const SLOW: MetaxEmuDevice = MetaxEmuDevice::new(2);
 const FAULTY: MetaxEmuDevice = MetaxEmuDevice::new(3);
 const LAUNCH_DELAY: Duration = Duration::from_millis(150);
+/// Stream ordering by need: the needed wait.
+const BY_NEED_WRITE: MetaxEmuDevice = MetaxEmuDevice::new(4);
+/// The negative control: no wait.
+const UNORDERED: MetaxEmuDevice = MetaxEmuDevice::new(5);
+/// Stream ordering by need: no unneeded wait.
+const BY_NEED_OVERLAP: MetaxEmuDevice = MetaxEmuDevice::new(6);
+/// The all-streams rule (the earlier one).
+const ALL_STREAMS: MetaxEmuDevice = MetaxEmuDevice::new(7);
 
 fn setup() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         let mut config =
-            EmuConfig::uniform(4, EmuDeviceConfig { memory_bytes: 2 << 30, ..Default::default() });
+            EmuConfig::uniform(8, EmuDeviceConfig { memory_bytes: 2 << 30, ..Default::default() });
         config.devices[1].warp_size = 32;
         config.devices[2].launch_delay = LAUNCH_DELAY;
         config.wait_timeout = Duration::from_secs(120);
@@ -331,5 +344,144 @@ fn kernels_compile_once_across_processes() {
     assert!(
         hits > 0 && again + hits == compiled,
         "second run: compiled {again}, disk hits {hits} (first: {compiled})"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stream ordering by need (`runtime::order`): each half, and a negative control for each
+
+/// The driver streams of `device`'s server.
+fn server_streams(device: MetaxEmuDevice) -> Vec<StreamHandle> {
+    registry::device_streams(MetaxEmuPlatform::NAME, device.index).map(|d| d.streams()).unwrap_or_default()
+}
+
+/// Runs one small operation on the calling thread (so that CubeCL gives the thread its own
+/// stream on `device`) and returns that stream: the one the server created for it.
+fn this_threads_stream(device: MetaxEmuDevice) -> StreamHandle {
+    let before = server_streams(device);
+    let _ = Tensor::<MetaxEmu, 1>::zeros([1], &device).add_scalar(1.0).into_data();
+    let new: Vec<StreamHandle> = server_streams(device).into_iter().filter(|s| !before.contains(s)).collect();
+    assert_eq!(new.len(), 1, "one new stream for this thread on {device:?}: {new:?}");
+    new[0]
+}
+
+/// Sets `device`'s ordering rule (the rule is per device, so tests on other devices are not
+/// affected).
+fn rule(device: MetaxEmuDevice, rule: StreamOrdering) {
+    setup();
+    set_stream_ordering(MetaxEmuPlatform::NAME, device.index, rule);
+}
+
+/// What a reader saw of a buffer that another stream wrote in place while held back.
+#[derive(Debug)]
+struct HeldWrite {
+    /// The read returned while the writing stream was still held.
+    read_while_held: bool,
+    /// Values that are not the written ones.
+    stale: usize,
+}
+
+/// FSDP's pattern (see `an_offload_copy_waits_for_a_side_stream_reduce_scatter`): a buffer made
+/// on stream A is written in place by a second thread's stream B, then read on a third stream.
+/// B is held back (`EmuDriver::hold_stream`) before its write is queued, so the write certainly
+/// comes late; the read must wait for it, and nothing else links them (the buffer was made on
+/// A, which CubeCL's own tracking orders the reader after).
+fn read_after_a_held_side_stream_write(device: MetaxEmuDevice) -> HeldWrite {
+    let n = 4096;
+    let grad = Tensor::<MetaxEmu, 1>::zeros([n], &device);
+    // The zeros are written (and the only other reference dropped): B's write is in place.
+    let _ = grad.clone().into_data();
+    let (reduced, hold) = std::thread::spawn(move || {
+        let stream = this_threads_stream(device);
+        let hold = emu_driver().expect("driver").hold_stream(stream).expect("hold B");
+        (grad.add_scalar(3.0).mul_scalar(2.0), hold)
+    })
+    .join()
+    .expect("writer thread");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || tx.send(reduced.into_data()));
+    // Long enough for an unordered read to finish many times over on an idle machine.
+    let early = rx.recv_timeout(Duration::from_millis(500));
+    let read_while_held = early.is_ok();
+    hold.release();
+    let data =
+        early.unwrap_or_else(|_| rx.recv_timeout(Duration::from_secs(60)).expect("the read, once B goes on"));
+    reader.join().expect("reader thread").expect("send");
+    let values = data.to_vec::<f32>().expect("f32");
+    HeldWrite { read_while_held, stale: values.iter().filter(|v| **v != 6.0).count() }
+}
+
+/// By need: the read waits for the stream that wrote its buffer in place.
+#[test]
+fn a_read_waits_for_the_stream_that_wrote_its_buffer() {
+    rule(BY_NEED_WRITE, StreamOrdering::ByNeed);
+    let seen = read_after_a_held_side_stream_write(BY_NEED_WRITE);
+    assert!(!seen.read_while_held && seen.stale == 0, "{seen:?}");
+}
+
+/// The negative control of `a_read_waits_for_the_stream_that_wrote_its_buffer`: without the
+/// server's waits (`StreamOrdering::Unordered`), the same check fails — the read returns at once
+/// with the values from before the write.
+#[test]
+fn without_the_wait_the_reader_sees_stale_values() {
+    rule(UNORDERED, StreamOrdering::Unordered);
+    let seen = read_after_a_held_side_stream_write(UNORDERED);
+    assert!(seen.read_while_held && seen.stale == 4096, "{seen:?}");
+}
+
+/// While a second thread's stream is held back with work queued on its own buffer, a third
+/// thread computes on its own buffers and reads the result. Returns whether that read came back
+/// within `patience` (while the other stream was still held).
+fn compute_beside_a_held_stream(device: MetaxEmuDevice, patience: Duration) -> bool {
+    let (held_tx, held_rx) = std::sync::mpsc::channel();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let side = std::thread::spawn(move || {
+        let x = Tensor::<MetaxEmu, 1>::ones([4096], &device);
+        let stream = this_threads_stream(device);
+        let hold = emu_driver().expect("driver").hold_stream(stream).expect("hold the side stream");
+        let y = x.mul_scalar(2.0);
+        held_tx.send(hold).expect("send the hold");
+        // Keep the side stream's buffers until the test is done.
+        let _ = done_rx.recv();
+        y
+    });
+    let hold = held_rx.recv().expect("the side stream is held");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let compute = std::thread::spawn(move || {
+        let a = Tensor::<MetaxEmu, 1>::from_floats([1.0, 2.0, 3.0, 4.0], &device);
+        tx.send((a.clone() * a).sum().into_data())
+    });
+    let result = rx.recv_timeout(patience);
+    let finished_while_held = result.is_ok();
+    hold.release();
+    let data = result
+        .unwrap_or_else(|_| rx.recv_timeout(Duration::from_secs(60)).expect("the compute, once released"));
+    compute.join().expect("compute thread").expect("send");
+    assert_eq!(data.to_vec::<f32>().expect("f32"), vec![30.0]);
+    done_tx.send(()).expect("side thread");
+    let y = side.join().expect("side thread");
+    assert_eq!(y.into_data().to_vec::<f32>().expect("f32"), vec![2.0; 4096]);
+    finished_while_held
+}
+
+/// By need: work that shares no memory with a held stream does not wait for it (a communication
+/// stream can overlap compute).
+#[test]
+fn compute_does_not_wait_for_an_unrelated_stream() {
+    rule(BY_NEED_OVERLAP, StreamOrdering::ByNeed);
+    assert!(
+        compute_beside_a_held_stream(BY_NEED_OVERLAP, Duration::from_secs(60)),
+        "the compute waited for an unrelated stream that was held back"
+    );
+}
+
+/// The control of `compute_does_not_wait_for_an_unrelated_stream`: under the all-streams rule
+/// (the server's rule before ordering by need) the same compute waits for the held stream.
+#[test]
+fn under_the_all_streams_rule_compute_waits_for_every_stream() {
+    rule(ALL_STREAMS, StreamOrdering::AllStreams);
+    assert!(
+        !compute_beside_a_held_stream(ALL_STREAMS, Duration::from_secs(1)),
+        "under the all-streams rule, the compute did not wait for the held stream"
     );
 }

@@ -11,10 +11,11 @@ use std::sync::{Mutex, MutexGuard};
 use burn::backend::Autodiff;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
-use burn_metax_backend::runtime::BackendError;
+use burn_metax_backend::runtime::{BackendError, StreamOrdering, set_stream_ordering};
 use burn_metax_backend::{MacaDevice, MacaRuntime, Metax};
 use common::{Control, install_mock_runtime};
 use cubecl_common::stream_id::StreamId;
+use cubecl_runtime::client::ComputeClient;
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -86,11 +87,27 @@ fn memory_pool_reuses_freed_allocations() {
     assert!(usage.bytes_reserved >= data.len() as u64, "{usage:?}");
 }
 
-/// The ordering rule: a read (blocking copy) on one stream first waits for the work queued on
-/// every other stream, not only on its own.
-#[test]
-fn a_read_waits_for_every_stream() {
-    let (_guard, control) = setup();
+/// Sets the stream-ordering rule of mock device 0 until dropped.
+struct Rule(StreamOrdering);
+
+impl Rule {
+    fn set(rule: StreamOrdering) -> Self {
+        Self(set_stream_ordering("metax", 0, rule))
+    }
+}
+
+impl Drop for Rule {
+    fn drop(&mut self) {
+        set_stream_ordering("metax", 0, self.0);
+    }
+}
+
+/// Two clients on streams 1 (A) and 2 (B), both streams created and idle; then a copy queued
+/// on A that the mock defers until something waits for it. Returns the clients, A's buffer and
+/// its contents.
+fn a_stream_with_deferred_work(
+    control: &Control,
+) -> (ComputeClient<MacaRuntime>, ComputeClient<MacaRuntime>, cubecl_core::server::Handle, Vec<u8>) {
     let client = MacaRuntime::try_client(&MacaDevice::new(0)).expect("client");
     let mut a = client.clone();
     let mut b = client.clone();
@@ -100,23 +117,49 @@ fn a_read_waits_for_every_stream() {
         a.set_stream(StreamId { value: 1 });
         b.set_stream(StreamId { value: 2 });
     }
-    // Make sure both streams exist and are idle.
-    b.read_one(b.create_from_slice(&[0])).expect("read b");
-    a.read_one(a.create_from_slice(&[0])).expect("read a");
+    // Make sure both streams exist and every stream is idle: earlier tests may have left
+    // deferred work, which reads under the all-streams rule wait for.
+    {
+        let _drain = Rule::set(StreamOrdering::AllStreams);
+        b.read_one(b.create_from_slice(&[0])).expect("read b");
+        a.read_one(a.create_from_slice(&[0])).expect("read a");
+    }
     assert_eq!(control.total_pending_ops(), 0);
 
-    // Work queued on stream A (the mock defers it until something waits for it).
     let big = vec![9u8; 1 << 16];
     let on_a = a.create_from_slice(&big);
     a.flush().expect("flush a");
     assert!(control.total_pending_ops() > 0, "the copy on stream A is still queued");
+    (a, b, on_a, big)
+}
 
+/// The all-streams rule (the one before ordering by need): a read on one stream first waits for
+/// the work queued on every other stream, even for a buffer no other stream used.
+#[test]
+fn under_the_all_streams_rule_a_read_waits_for_every_stream() {
+    let (_guard, control) = setup();
+    let _rule = Rule::set(StreamOrdering::AllStreams);
+    let (_a, b, on_a, big) = a_stream_with_deferred_work(&control);
     // A read of an unrelated buffer on stream B ...
     let on_b = b.create_from_slice(&[1, 2, 3, 4]);
     assert_eq!(&b.read_one(on_b).expect("read b")[..], &[1, 2, 3, 4]);
     // ... has waited for stream A's work too.
     assert_eq!(control.total_pending_ops(), 0, "a read must wait for every stream's queued work");
-    // And stream A's data is visible from stream B.
+    assert_eq!(&b.read_one(on_a).expect("read a's buffer on b")[..], &big[..]);
+}
+
+/// Ordering by need (the default): a read of a buffer no other stream used does not wait for
+/// other streams; a read of a buffer another stream wrote does.
+#[test]
+fn by_need_a_read_waits_only_for_the_streams_that_used_its_buffer() {
+    let (_guard, control) = setup();
+    let _rule = Rule::set(StreamOrdering::ByNeed);
+    let (_a, b, on_a, big) = a_stream_with_deferred_work(&control);
+    let on_b = b.create_from_slice(&[1, 2, 3, 4]);
+    assert_eq!(&b.read_one(on_b).expect("read b")[..], &[1, 2, 3, 4]);
+    assert!(control.total_pending_ops() > 0, "a read of B's own buffer waited for stream A's copy");
+    // The mock runs A's deferred copy only when something waits for it: without the wait, this
+    // read would return the allocator's filler.
     assert_eq!(&b.read_one(on_a).expect("read a's buffer on b")[..], &big[..]);
 }
 
@@ -196,12 +239,13 @@ fn profiling_and_rejected_reads() {
     assert!(ticks.duration() < std::time::Duration::from_secs(60), "{:?}", ticks.duration());
 
     // A read with strides the runtime cannot copy is an error, not a panic, and leaves no copy
-    // in flight.
+    // in flight (work another test left deferred on other streams is not waited for).
+    let before = control.total_pending_ops();
     let handle = client.create_from_slice(&[0u8; 16]);
     let descriptor =
         cubecl_core::server::CopyDescriptor::new(handle.binding(), [2, 2].into(), [1, 2].into(), 4);
     let err =
         cubecl_common::reader::read_sync(client.read_one_tensor_async(descriptor)).expect_err("strides");
     assert!(format!("{err:?}").contains("strides"), "{err:?}");
-    assert_eq!(control.total_pending_ops(), 0);
+    assert_eq!(control.total_pending_ops(), before);
 }

@@ -18,13 +18,20 @@ use super::watchdog::{Watchdog, Watched};
 use super::{CollectiveError, CommDType, CommOp, DeviceCommunicator, UNIQUE_ID_BYTES};
 use crate::driver::{DevicePtr, DriverError, EventHandle, StreamHandle};
 use crate::mccl::{MacaCommunicator, Mccl};
-use crate::runtime::{DriverRuntime, GpuDevice, MacaDevice, MacaPlatform, Platform, registry};
+use crate::runtime::{
+    DriverRuntime, GpuDevice, MacaDevice, MacaPlatform, MetaxEmuPlatform, Platform, registry,
+};
 
 /// Default collective timeout (as burn-fsdp's `LocalGroup`).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A [`DeviceGroup`] over MCCL on MetaX GPUs (backend [`Metax`](crate::Metax)).
 pub type MetaxGroup = DeviceGroup<MacaPlatform, MacaCommunicator>;
+
+/// A [`DeviceGroup`] of in-process ranks on emulated MetaX devices (backend
+/// [`MetaxEmu`](crate::MetaxEmu)): collectives on the devices' streams, device memory to device
+/// memory ([`EmuCommunicator`](super::EmuCommunicator)).
+pub type MetaxEmuGroup = DeviceGroup<MetaxEmuPlatform, super::EmuCommunicator>;
 
 /// Longest sleep of the watchdog and of host waits between two checks.
 const MAX_PAUSE: Duration = Duration::from_millis(50);
@@ -154,7 +161,15 @@ impl<C: DeviceCommunicator> Inner<C> {
 
     /// Queues one collective on the communication stream, between the event waits of the
     /// ordering rule. Runs on the device's server thread.
-    fn enqueue<F>(&self, kind: CollectiveKind, tag: &Tag, call: F) -> Result<(), CommError>
+    /// `ranges`: the collective's buffers, which it is ordered by (see [`CommStream`]); `None`
+    /// orders it after, and every compute stream before, everything (a barrier).
+    fn enqueue<F>(
+        &self,
+        kind: CollectiveKind,
+        tag: &Tag,
+        ranges: Option<[(u64, u64); 2]>,
+        call: F,
+    ) -> Result<(), CommError>
     where
         F: FnOnce(&C, StreamHandle) -> Result<(), CollectiveError>,
     {
@@ -179,9 +194,15 @@ impl<C: DeviceCommunicator> Inner<C> {
             return Err(self.own_failure(kind, tag, "the group was shut down".into()));
         };
         let queued = (|| {
-            self.stream.wait_for_compute()?;
+            match &ranges {
+                Some(ranges) => self.stream.wait_for_buffers(ranges)?,
+                None => self.stream.wait_for_compute()?,
+            }
             call(c, self.stream.handle())?;
-            Ok::<_, CollectiveError>(self.stream.release_compute()?)
+            Ok::<_, CollectiveError>(match &ranges {
+                Some(ranges) => self.stream.release_buffers(ranges)?,
+                None => self.stream.release_compute()?,
+            })
         })();
         match queued {
             Ok(done) => {
@@ -299,13 +320,18 @@ impl<C: DeviceCommunicator> Watched for Inner<C> {
 /// client, from the calling thread's stream pool), and the collective is queued on the group's
 /// own **communication stream** on the device's server thread:
 ///
-/// 1. the communication stream waits, on the device, for an event recorded on **every** compute
-///    stream of the device's server (so it sees every write to the input, whichever stream
-///    queued it);
+/// 1. the communication stream waits, on the device, for the last use of the input's and the
+///    output's memory by any other stream (ordering by need, the device's default rule; see
+///    [`crate::runtime::StreamOrdering`]) — so it sees every write to its input, whichever
+///    stream queued it;
 /// 2. the library call is queued on the communication stream;
-/// 3. an event is recorded on the communication stream and **every** compute stream waits for
-///    it, on the device (so later kernels see the output, and the input's memory is not reused
-///    before the collective has read it).
+/// 3. an event is recorded after it, and the collective becomes the last use of both buffers:
+///    a compute stream waits for it exactly when it reads the output or reuses the input's
+///    memory, and compute that touches neither runs on alongside.
+///
+/// Under the all-streams rule, step 1 waits for every compute stream and step 3 makes every
+/// compute stream wait (the rule before ordering by need, kept to measure against). A barrier
+/// always does: it orders everything queued before it.
 ///
 /// The call then returns the output tensor: nothing waits on the host. Semantics follow
 /// burn-fsdp's `LocalGroup`: all-gather `[n]` → `[size·n]` in rank order; reduce-scatter
@@ -548,8 +574,12 @@ where
             return Err(self.bad(kind, tag, "a device buffer is smaller than its tensor".into()));
         }
         let inner = &self.inner;
+        let range = |ptr: DevicePtr, len: usize| (ptr.as_raw() as u64, (ptr.as_raw() + len) as u64);
+        let ranges = [range(send_ptr, n * comm_dtype.size()), range(recv_ptr, out_bytes)];
         self.exclusive(kind, tag, move || {
-            inner.enqueue(kind, tag, move |comm, stream| call(comm, send_ptr, recv_ptr, comm_dtype, stream))
+            inner.enqueue(kind, tag, Some(ranges), move |comm, stream| {
+                call(comm, send_ptr, recv_ptr, comm_dtype, stream)
+            })
         })?;
         // The compute streams now wait for the collective: the input's memory may go back to its
         // pool (later work that reuses it is queued after the wait).
@@ -673,7 +703,7 @@ where
         let ptr = resource.resource().ptr;
         let inner = &self.inner;
         self.exclusive(kind, tag, move || {
-            inner.enqueue(kind, tag, move |comm, stream| {
+            inner.enqueue(kind, tag, None, move |comm, stream| {
                 // SAFETY: `ptr` holds one f32 (its value does not matter); the scratch buffer stays
                 // allocated until the wait below has seen the collective complete (or the group
                 // failed and the communicator was aborted).

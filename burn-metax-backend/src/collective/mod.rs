@@ -15,6 +15,7 @@
 //! ([`mccl_unique_id`], `NcclCommunicator::unique_id`) and
 //! sends to the others out of band (the caller's business: e.g. over TCP).
 
+mod emu;
 mod group;
 mod mccl;
 #[cfg(feature = "cuda")]
@@ -31,7 +32,8 @@ use crate::driver::{DevicePtr, DriverError, StreamHandle};
 use crate::mccl::McclError;
 use crate::runtime::BackendError;
 
-pub use group::{DEFAULT_TIMEOUT, DeviceGroup, MetaxGroup};
+pub use emu::EmuCommunicator;
+pub use group::{DEFAULT_TIMEOUT, DeviceGroup, MetaxEmuGroup, MetaxGroup};
 pub use mccl::mccl_unique_id;
 #[cfg(feature = "cuda")]
 pub use nccl::{CudaProxyNcclGroup, NcclCommunicator};

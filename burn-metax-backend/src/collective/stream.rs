@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use crate::driver::{Driver, DriverError, EventHandle, StreamHandle};
+use crate::runtime::StreamOrdering;
 use crate::runtime::registry::DeviceStreams;
 
 /// A driver stream owned by a device group, on which its collectives are queued.
@@ -41,6 +42,39 @@ impl CommStream {
     /// The driver.
     pub(crate) fn driver(&self) -> &Arc<dyn Driver> {
         &self.driver
+    }
+
+    /// Orders the communication stream before a collective whose buffers are `ranges`. By need
+    /// (the device's default rule, [`crate::runtime::StreamOrdering`]): it waits for the last use
+    /// of each range by another stream, and for nothing else. Under the other rules: for the work
+    /// queued so far on every compute stream ([`CommStream::wait_for_compute`]).
+    pub(crate) fn wait_for_buffers(&self, ranges: &[(u64, u64)]) -> Result<(), DriverError> {
+        if self.device.order().rule() == StreamOrdering::ByNeed {
+            self.device.order().uses().wait_for(self.handle, ranges);
+            Ok(())
+        } else {
+            self.wait_for_compute()
+        }
+    }
+
+    /// After a collective whose buffers are `ranges`: records an event for the watchdog and
+    /// returns it (the caller destroys it with [`CommStream::forget`]). By need, the collective
+    /// becomes the last use of its ranges, so that a compute stream waits for it exactly when
+    /// it reads the output or reuses the input's memory. Under the other rules, every compute
+    /// stream waits for it ([`CommStream::release_compute`]).
+    pub(crate) fn release_buffers(&self, ranges: &[(u64, u64)]) -> Result<EventHandle, DriverError> {
+        if self.device.order().rule() != StreamOrdering::ByNeed {
+            return self.release_compute();
+        }
+        self.device.order().uses().mark(&self.driver, self.handle, ranges);
+        let done = self.driver.event_create(false)?;
+        match self.driver.event_record(done, self.handle) {
+            Ok(()) => Ok(done),
+            Err(e) => {
+                let _ = self.driver.event_destroy(done);
+                Err(e)
+            }
+        }
     }
 
     /// Makes the communication stream wait (on the device) for the work queued so far on every

@@ -33,7 +33,7 @@ mod stream;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -130,6 +130,94 @@ impl EmuConfig {
     }
 }
 
+/// What one emulated device was asked to do, counted since the driver started: the figures of
+/// `cargo xtask bench --device metax-emu --step-profile` (read them with
+/// [`EmuDriver::counters`], subtract with [`EmuCounters::since`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EmuCounters {
+    /// Kernel launches queued on the device's streams.
+    pub launches: u64,
+    /// Blocking host waits on the device: stream, event and device synchronisation, blocking
+    /// copies and `mcFree` (which waits for the device). A read of device memory by the host is
+    /// an asynchronous copy and one such wait.
+    pub host_syncs: u64,
+    /// Waits of one of the device's streams for an event recorded on another stream.
+    pub cross_stream_waits: u64,
+    /// Bytes copied from the host to the device.
+    pub host_to_device_bytes: u64,
+    /// Bytes copied from the device to the host.
+    pub device_to_host_bytes: u64,
+}
+
+impl EmuCounters {
+    /// `self - earlier`, per counter.
+    pub fn since(&self, earlier: &Self) -> Self {
+        Self {
+            launches: self.launches.saturating_sub(earlier.launches),
+            host_syncs: self.host_syncs.saturating_sub(earlier.host_syncs),
+            cross_stream_waits: self.cross_stream_waits.saturating_sub(earlier.cross_stream_waits),
+            host_to_device_bytes: self.host_to_device_bytes.saturating_sub(earlier.host_to_device_bytes),
+            device_to_host_bytes: self.device_to_host_bytes.saturating_sub(earlier.device_to_host_bytes),
+        }
+    }
+
+    /// The sum of two devices' counters.
+    pub fn plus(&self, other: &Self) -> Self {
+        Self {
+            launches: self.launches + other.launches,
+            host_syncs: self.host_syncs + other.host_syncs,
+            cross_stream_waits: self.cross_stream_waits + other.cross_stream_waits,
+            host_to_device_bytes: self.host_to_device_bytes + other.host_to_device_bytes,
+            device_to_host_bytes: self.device_to_host_bytes + other.device_to_host_bytes,
+        }
+    }
+}
+
+/// The live counters of one device.
+#[derive(Debug, Default)]
+struct Counters {
+    launches: AtomicU64,
+    host_syncs: AtomicU64,
+    cross_stream_waits: AtomicU64,
+    host_to_device_bytes: AtomicU64,
+    device_to_host_bytes: AtomicU64,
+}
+
+impl Counters {
+    fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    fn snapshot(&self) -> EmuCounters {
+        EmuCounters {
+            launches: self.launches.load(Ordering::Relaxed),
+            host_syncs: self.host_syncs.load(Ordering::Relaxed),
+            cross_stream_waits: self.cross_stream_waits.load(Ordering::Relaxed),
+            host_to_device_bytes: self.host_to_device_bytes.load(Ordering::Relaxed),
+            device_to_host_bytes: self.device_to_host_bytes.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// A stream held back by [`EmuDriver::hold_stream`]: the work queued on it after the hold waits
+/// until [`StreamHold::release`] (or the hold is dropped).
+#[derive(Debug)]
+pub struct StreamHold {
+    event: Arc<Event>,
+    generation: u64,
+}
+
+impl StreamHold {
+    /// Lets the stream go on.
+    pub fn release(self) {}
+}
+
+impl Drop for StreamHold {
+    fn drop(&mut self) {
+        self.event.complete(self.generation);
+    }
+}
+
 /// What made a device's kernel fault.
 #[derive(Debug, Clone)]
 pub(crate) struct FaultReport {
@@ -146,6 +234,7 @@ pub(crate) struct DeviceState {
     fault: Mutex<Option<FaultReport>>,
     streams: Mutex<Vec<std::sync::Weak<Stream>>>,
     default_stream: OnceLock<Arc<Stream>>,
+    counters: Counters,
 }
 
 impl DeviceState {
@@ -225,6 +314,7 @@ impl EmuDriver {
                     fault: Mutex::new(None),
                     streams: Mutex::new(Vec::new()),
                     default_stream: OnceLock::new(),
+                    counters: Counters::default(),
                 })
             })
             .collect();
@@ -249,6 +339,33 @@ impl EmuDriver {
     /// The configuration.
     pub fn config(&self) -> &EmuConfig {
         &self.config
+    }
+
+    /// What device `index` was asked to do so far (zeros for a device that does not exist).
+    pub fn counters(&self, index: usize) -> EmuCounters {
+        self.devices.get(index).map(|d| d.counters.snapshot()).unwrap_or_default()
+    }
+
+    /// Holds `stream` back: work queued on it from now on waits until the returned hold is
+    /// released or dropped, as if an earlier kernel on it were still running. Tests use it to
+    /// make a stream's work certainly late, and so to show which other streams wait for it.
+    pub fn hold_stream(&self, stream: StreamHandle) -> Result<StreamHold> {
+        let stream = self.stream(stream)?;
+        let event = Arc::new(Event::new());
+        let generation = event.next_record();
+        stream.push(Op::Wait(event.clone(), generation));
+        Ok(StreamHold { event, generation })
+    }
+
+    /// Queues `function` on `stream`: the stream's worker runs it once the work queued before it
+    /// is done, and the work queued after it waits for it to return (`mcLaunchHostFunc`).
+    pub fn launch_host_function(
+        &self,
+        stream: StreamHandle,
+        function: Box<dyn FnOnce() + Send>,
+    ) -> Result<()> {
+        self.stream(stream)?.push(Op::Host(function));
+        Ok(())
     }
 
     fn id(&self) -> usize {
@@ -326,6 +443,13 @@ impl EmuDriver {
         self.devices.iter().find(|d| d.memory.owns(ptr))
     }
 
+    /// Adds `n` to a counter of the device that owns `ptr`.
+    fn count_copy(&self, ptr: usize, counter: impl Fn(&Counters) -> &AtomicU64, n: usize) {
+        if let Some(device) = self.device_owning(ptr) {
+            Counters::add(counter(&device.counters), n as u64);
+        }
+    }
+
     fn queue_copy(&self, dst: usize, src: usize, len: usize, stream: StreamHandle) -> Result<()> {
         self.guard()?;
         let stream = self.stream(stream)?;
@@ -376,6 +500,7 @@ impl Driver for EmuDriver {
 
     fn device_synchronize(&self) -> Result<()> {
         let device = self.current()?.clone();
+        Counters::add(&device.counters.host_syncs, 1);
         self.drain_device(&device, "mcDeviceSynchronize")
     }
 
@@ -401,6 +526,7 @@ impl Driver for EmuDriver {
     unsafe fn free(&self, ptr: DevicePtr) -> Result<()> {
         // Like `mcFree`, freeing first waits for the device, so no queued work can still use it.
         let device = self.device_owning(ptr.as_raw()).ok_or_else(|| api("mcFree", 17))?.clone();
+        Counters::add(&device.counters.host_syncs, 1);
         let _ = self.drain_device(&device, "mcFree");
         // SAFETY: every stream of the device has passed the work queued before this call, and
         // the caller guarantees no later work uses `ptr`.
@@ -437,6 +563,7 @@ impl Driver for EmuDriver {
         stream: StreamHandle,
     ) -> Result<()> {
         self.check_device_range("mcMemcpyAsync", dst.as_raw(), len)?;
+        self.count_copy(dst.as_raw(), |c| &c.host_to_device_bytes, len);
         self.queue_copy(dst.as_raw(), src as usize, len, stream)
     }
 
@@ -448,6 +575,7 @@ impl Driver for EmuDriver {
         stream: StreamHandle,
     ) -> Result<()> {
         self.check_device_range("mcMemcpyAsync", src.as_raw(), len)?;
+        self.count_copy(src.as_raw(), |c| &c.device_to_host_bytes, len);
         self.queue_copy(dst as usize, src.as_raw(), len, stream)
     }
 
@@ -467,12 +595,16 @@ impl Driver for EmuDriver {
         // Legacy default stream: ordered after that stream's own work only, not after the
         // non-blocking streams'.
         self.check_device_range("mcMemcpy", dst.as_raw(), src.len())?;
+        self.count_copy(dst.as_raw(), |c| &c.host_to_device_bytes, src.len());
+        self.count_copy(dst.as_raw(), |c| &c.host_syncs, 1);
         self.queue_copy(dst.as_raw(), src.as_ptr() as usize, src.len(), StreamHandle::DEFAULT)?;
         self.drain(&*self.stream(StreamHandle::DEFAULT)?, "mcMemcpy")
     }
 
     unsafe fn memcpy_dtoh(&self, dst: &mut [u8], src: DevicePtr) -> Result<()> {
         self.check_device_range("mcMemcpy", src.as_raw(), dst.len())?;
+        self.count_copy(src.as_raw(), |c| &c.device_to_host_bytes, dst.len());
+        self.count_copy(src.as_raw(), |c| &c.host_syncs, 1);
         self.queue_copy(dst.as_mut_ptr() as usize, src.as_raw(), dst.len(), StreamHandle::DEFAULT)?;
         self.drain(&*self.stream(StreamHandle::DEFAULT)?, "mcMemcpy")
     }
@@ -499,14 +631,19 @@ impl Driver for EmuDriver {
 
     fn stream_synchronize(&self, stream: StreamHandle) -> Result<()> {
         let stream = self.stream(stream)?;
+        Counters::add(&stream.device.counters.host_syncs, 1);
         self.drain(&stream, "mcStreamSynchronize")
     }
 
     fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()> {
+        let waiting = stream.as_raw();
         let stream = self.stream(stream)?;
         let event = self.event(event)?;
         let generation = event.latest();
         if generation > 0 {
+            if event.stream() != Some(waiting) {
+                Counters::add(&stream.device.counters.cross_stream_waits, 1);
+            }
             stream.push(Op::Wait(event, generation));
         }
         Ok(())
@@ -527,15 +664,20 @@ impl Driver for EmuDriver {
     }
 
     fn event_record(&self, event: EventHandle, stream: StreamHandle) -> Result<()> {
+        let handle = stream.as_raw();
         let stream = self.stream(stream)?;
         let event = self.event(event)?;
-        let generation = event.next_record_on(stream.device.index);
+        let generation = event.next_record_on(stream.device.index, handle);
         stream.push(Op::Record(event, generation));
         Ok(())
     }
 
     fn event_synchronize(&self, event: EventHandle) -> Result<()> {
         let event = self.event(event)?;
+        let device = event.device().unwrap_or_else(|| self.current_device());
+        if let Some(device) = self.devices.get(device) {
+            Counters::add(&device.counters.host_syncs, 1);
+        }
         if !event.wait(event.latest(), self.config.wait_timeout) {
             return Err(DriverError::Timeout {
                 call: "mcEventSynchronize",
@@ -620,6 +762,7 @@ impl Driver for EmuDriver {
             return Err(api("mcModuleLaunchKernel", INVALID_CONFIGURATION));
         }
         let stream = self.stream(stream)?;
+        Counters::add(&stream.device.counters.launches, 1);
         // SAFETY: the caller guarantees one pointer per parameter, each to a value of the
         // parameter's type, whose size the module reports.
         let launch =

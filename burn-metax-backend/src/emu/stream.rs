@@ -25,6 +25,7 @@ pub(crate) struct Event {
 #[derive(Debug, Default)]
 struct EventState {
     device: Option<usize>,
+    stream: Option<usize>,
     recorded: u64,
     completed: u64,
     completed_at: Option<Instant>,
@@ -42,10 +43,11 @@ impl Event {
         state.recorded
     }
 
-    /// Starts a new record on a stream of `device`; returns its generation.
-    pub(crate) fn next_record_on(&self, device: usize) -> u64 {
+    /// Starts a new record on stream `stream` (raw handle) of `device`; returns its generation.
+    pub(crate) fn next_record_on(&self, device: usize, stream: usize) -> u64 {
         let mut state = lock(&self.state);
         state.device = Some(device);
+        state.stream = Some(stream);
         state.recorded += 1;
         state.recorded
     }
@@ -55,12 +57,17 @@ impl Event {
         lock(&self.state).device
     }
 
+    /// The raw handle of the stream the event was last recorded on.
+    pub(crate) fn stream(&self) -> Option<usize> {
+        lock(&self.state).stream
+    }
+
     /// The generation of the latest record (0: never recorded).
     pub(crate) fn latest(&self) -> u64 {
         lock(&self.state).recorded
     }
 
-    fn complete(&self, generation: u64) {
+    pub(crate) fn complete(&self, generation: u64) {
         let mut state = lock(&self.state);
         if generation > state.completed {
             state.completed = generation;
@@ -110,6 +117,9 @@ pub(crate) enum Op {
     Wait(Arc<Event>, u64),
     /// Frees a device allocation once the work before it is done.
     Free(usize),
+    /// Runs a host function once the work before it is done (`mcLaunchHostFunc`); the
+    /// emulated collectives are such functions.
+    Host(Box<dyn FnOnce() + Send>),
 }
 
 #[derive(Default)]
@@ -202,6 +212,7 @@ impl Stream {
                 // as the awaited work takes (host waits have timeouts).
                 while !event.wait(generation, Duration::from_secs(3600)) {}
             }
+            Op::Host(function) => function(),
             Op::Free(ptr) => {
                 // SAFETY: stream-ordered free: work queued before it on this stream is done, and
                 // the caller guaranteed that no other work uses the allocation.

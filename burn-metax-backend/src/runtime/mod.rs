@@ -16,6 +16,7 @@ mod emu_platform;
 mod error;
 mod fence;
 mod kernel;
+mod order;
 mod platform;
 pub mod registry;
 pub mod server;
@@ -30,6 +31,7 @@ pub use emu_platform::{
 };
 pub use error::BackendError;
 pub use fence::Fence;
+pub use order::{StreamOrdering, set_stream_ordering, stream_ordering};
 pub use platform::{
     GpuDevice, MACA_DEVICE_TYPE_ID, MacaDevice, MacaPlatform, Platform, install_maca_driver, maca_driver,
     maca_rtc_options,

@@ -9,6 +9,7 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use super::order::DeviceOrder;
 use super::stream::StreamRegistry;
 use crate::driver::{Driver, StreamHandle};
 
@@ -17,6 +18,7 @@ use crate::driver::{Driver, StreamHandle};
 pub struct DeviceStreams {
     driver: Arc<dyn Driver>,
     streams: StreamRegistry,
+    order: Arc<DeviceOrder>,
 }
 
 impl std::fmt::Debug for DeviceStreams {
@@ -32,6 +34,11 @@ impl DeviceStreams {
     /// The driver the server uses.
     pub fn driver(&self) -> &Arc<dyn Driver> {
         &self.driver
+    }
+
+    /// The device's stream-ordering state: the last use of each memory range.
+    pub(crate) fn order(&self) -> &Arc<DeviceOrder> {
+        &self.order
     }
 
     /// Every driver stream the server has created so far (its compute streams).
@@ -55,8 +62,9 @@ pub(crate) fn register(
     index: usize,
     driver: Arc<dyn Driver>,
     streams: StreamRegistry,
+    order: Arc<DeviceOrder>,
 ) {
-    let entry = DeviceStreams { driver, streams };
+    let entry = DeviceStreams { driver, streams, order };
     let mut devices = devices();
     match devices.iter_mut().find(|(p, i, _)| *p == platform && *i == index) {
         Some(slot) => slot.2 = entry,

@@ -2,24 +2,26 @@
 //!
 //! # The ordering rule
 //!
-//! CubeCL runs work on several streams (one per client thread, by default). A **blocking copy**
-//! — a device → host read, which is also how tensors are offloaded to host memory — must see the
-//! effects of *all* work queued so far, on every stream, not only on the stream the read is
-//! issued from: a legacy blocking `mcMemcpy` would not wait for non-blocking streams. So before a
-//! read queues its copies, the reading stream waits (on the device, through events) for every
-//! other stream the server created, and the host then waits for the reading stream. See
-//! [`GpuServer::read`].
+//! CubeCL runs work on several streams (one per client thread, by default). CubeCL's per-binding
+//! tracking (`MultiStream::resolve`) orders a stream after the stream a buffer was *created* on,
+//! but not after another stream that wrote the buffer in place, nor — once the streams have
+//! synced past the buffer's creation — before memory freed on one stream is reused by another
+//! while a kernel queued elsewhere still reads it. FSDP hits both (its communication thread is a
+//! second stream): on the emulated device, whose streams are really asynchronous, Qwen3 W = 4
+//! with prefetch trained on stale gradients (loss 6.9e-2, grad norm 2e2× off) until the server
+//! ordered them itself.
 //!
-//! Kernel launches and host → device writes follow the same rule: before queuing, their stream
-//! waits for the work queued so far on every other stream. CubeCL's per-binding tracking
-//! (`MultiStream::resolve`) orders a stream after the stream a buffer was *created* on, but not
-//! after another stream that wrote the buffer in place, nor — once the streams have synced past
-//! the buffer's creation — before memory freed on one stream is reused by another while a kernel
-//! queued elsewhere still reads it. FSDP hits both (its communication thread is a second
-//! stream): on the emulated device, whose streams are really asynchronous, Qwen3 W = 4 with
-//! prefetch trained on stale gradients (loss 6.9e-2, grad norm 2e2× off) until launches waited.
-//! The cost is one event per other stream per operation; the device then runs the streams'
-//! work in the order the host issued it.
+//! So every launch, read (device → host, which is also how tensors are offloaded) and write
+//! (host → device) first makes its stream wait, on the device, for the last use of each memory
+//! range it touches by any **other** stream, and then records one event after itself as the
+//! ranges' new last use: ordering by need ([`super::order`]). Streams whose work shares no
+//! memory run side by side — a communication stream overlaps compute. A page given back to the
+//! driver waits the same way.
+//!
+//! [`super::StreamOrdering`] selects the rule per device ([`super::set_stream_ordering`]): the
+//! earlier rule, where every operation waited for the work queued on every other stream
+//! (`AllStreams`, one event per other stream per operation), is kept to measure against, and
+//! `Unordered` exists only so that tests can show their checks fail without the waits.
 
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -57,6 +59,7 @@ use cubecl_runtime::timestamp_profiler::TimestampProfiler;
 use super::error::BackendError;
 use super::fence::{Fence, server_error};
 use super::kernel::KernelCache;
+use super::order::{DeviceOrder, Range, StreamOrdering};
 use super::platform::{GpuDevice, Platform};
 use super::storage::{DEVICE_MEMORY_ALIGNMENT, GpuResource, PinnedBytesController};
 use super::stream::{GpuStream, GpuStreamBackend, StreamRegistry};
@@ -73,6 +76,7 @@ pub struct GpuServer<P: Platform> {
     timestamps: TimestampProfiler,
     streams: MultiStream<GpuStreamBackend>,
     registry: StreamRegistry,
+    order: Arc<DeviceOrder>,
     utilities: Arc<ServerUtilities<Self>>,
     _platform: PhantomData<P>,
 }
@@ -174,12 +178,14 @@ impl<P: Platform> GpuServer<P> {
         let properties = cube_properties::<P>(&props);
         let logger = Arc::new(ServerLogger::default());
         let registry = StreamRegistry::default();
+        let order = Arc::new(DeviceOrder::new(P::NAME, index, driver.clone()));
         let backend = GpuStreamBackend::new(
             driver.clone(),
             properties.memory.clone(),
             MemoryConfiguration::default(),
             logger.clone(),
             registry.clone(),
+            order.clone(),
         );
         let max_streams = CubeClRuntimeConfig::get().streaming.max_streams;
         let kernels = KernelCache::new(
@@ -188,7 +194,7 @@ impl<P: Platform> GpuServer<P> {
             P::rtc_options(&props),
             properties.clone(),
         );
-        super::registry::register(P::NAME, index, driver.clone(), registry.clone());
+        super::registry::register(P::NAME, index, driver.clone(), registry.clone(), order.clone());
         let policy = ContiguousMemoryLayoutPolicy::new(DEVICE_MEMORY_ALIGNMENT);
         let utilities = ServerUtilities::new(properties, logger.clone(), (), policy);
         Ok(Self {
@@ -198,6 +204,7 @@ impl<P: Platform> GpuServer<P> {
             timestamps: TimestampProfiler::default(),
             streams: MultiStream::new(logger, backend, max_streams),
             registry,
+            order,
             utilities: Arc::new(utilities),
             _platform: PhantomData,
         })
@@ -235,20 +242,6 @@ impl<P: Platform> GpuServer<P> {
         }
     }
 
-    /// Makes `stream` wait (device side) for the work queued so far on every other stream.
-    fn wait_for_all_streams(driver: &Arc<dyn Driver>, registry: &StreamRegistry, stream: StreamHandle) {
-        let others: Vec<StreamHandle> = registry
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .copied()
-            .filter(|s| *s != stream)
-            .collect();
-        for other in others {
-            Fence::new(driver.clone(), other).wait_async(stream);
-        }
-    }
-
     fn launch_checked(
         &mut self,
         kernel: Box<dyn CubeTask<CppCompiler<P::Dialect>>>,
@@ -266,13 +259,29 @@ impl<P: Platform> GpuServer<P> {
             CubeCount::Static(..) => None,
         };
         let mut streams = self.streams.resolve(stream_id, arguments.buffers.iter().chain(dynamic), false)?;
-        // The ordering rule (module docs): the launch waits for every stream's queued work.
-        Self::wait_for_all_streams(&self.driver, &self.registry, streams.current().handle);
+        let KernelArguments { buffers, info, tensor_maps } = arguments;
+        if !tensor_maps.is_empty() {
+            return Err(LaunchError::Unknown {
+                reason: format!("{} does not support tensor maps (TMA)", P::NAME),
+                backtrace: BackTrace::capture(),
+            }
+            .into());
+        }
+        let mut resources = Vec::with_capacity(buffers.len() + 1);
+        for binding in &buffers {
+            resources.push(resource_of(streams.get(&binding.stream), binding)?);
+        }
+        let dynamic = match &count {
+            CubeCount::Dynamic(binding) => Some(resource_of(streams.get(&binding.stream), binding)?),
+            CubeCount::Static(..) => None,
+        };
+        let mut ranges: Vec<Range> = resources.iter().chain(&dynamic).map(range_of).collect();
+        // The ordering rule (module docs).
+        let handle = streams.current().handle;
+        order_before(&self.order, &self.registry, handle, &ranges);
 
-        let grid = match count {
-            CubeCount::Static(x, y, z) => [x, y, z],
-            CubeCount::Dynamic(binding) => {
-                let resource = resource_of(streams.get(&binding.stream), &binding)?;
+        let grid = match (count, dynamic) {
+            (CubeCount::Dynamic(_), Some(resource)) => {
                 let current = streams.current();
                 let mut counts = [0u8; 12];
                 if resource.size < counts.len() as u64 {
@@ -294,24 +303,13 @@ impl<P: Platform> GpuServer<P> {
                     |i: usize| u32::from_le_bytes([counts[i], counts[i + 1], counts[i + 2], counts[i + 3]]);
                 [word(0), word(4), word(8)]
             }
+            (CubeCount::Static(x, y, z), _) => [x, y, z],
+            (CubeCount::Dynamic(_), None) => unreachable!("a dynamic count's resource is read above"),
         };
         // A grid with no cube does nothing; MACA (like CUDA) rejects it as an invalid
         // configuration, and CubeCL issues such launches for empty tensors (an empty shard).
         if grid.contains(&0) {
             return Ok(());
-        }
-
-        let KernelArguments { buffers, info, tensor_maps } = arguments;
-        if !tensor_maps.is_empty() {
-            return Err(LaunchError::Unknown {
-                reason: format!("{} does not support tensor maps (TMA)", P::NAME),
-                backtrace: BackTrace::capture(),
-            }
-            .into());
-        }
-        let mut resources = Vec::with_capacity(buffers.len() + 1);
-        for binding in &buffers {
-            resources.push(resource_of(streams.get(&binding.stream), binding)?);
         }
 
         // The info (scalars + metadata) buffer goes last, by pointer. It is never empty, so the
@@ -322,8 +320,11 @@ impl<P: Platform> GpuServer<P> {
         }
         let cursor = streams.cursor;
         let current = streams.current();
-        let info_handle = create_on_stream(&self.driver, current, cursor, stream_id, &info_bytes)?;
-        resources.push(resource_of(current, &info_handle.binding())?);
+        let info_handle =
+            create_on_stream(&self.driver, &self.order, current, cursor, stream_id, &info_bytes)?;
+        let info_resource = resource_of(current, &info_handle.binding())?;
+        ranges.push(range_of(&info_resource));
+        resources.push(info_resource);
 
         let loaded = self.kernels.get_or_compile::<P>(&kernel_id, kernel.as_ref(), mode, &logger)?;
         let current = streams.current();
@@ -332,12 +333,46 @@ impl<P: Platform> GpuServer<P> {
         // (which includes the launch) is done with it; cubecl-cpp declares one pointer per buffer
         // and the info pointer last, matching `resources`.
         unsafe { self.kernels.launch(&loaded, grid, current.handle, &resources)? };
+        order_after(&self.order, current.handle, &ranges);
         if current.drop_queue.should_flush() {
             let driver = self.driver.clone();
             let handle = current.handle;
             current.drop_queue.flush(|| Fence::new(driver.clone(), handle));
         }
         Ok(())
+    }
+}
+
+/// The device memory range of a resource.
+fn range_of(resource: &GpuResource) -> Range {
+    let start = resource.ptr.as_raw() as u64;
+    (start, start + resource.size)
+}
+
+/// Orders `stream` before work that touches `ranges`, by the device's rule (module docs).
+fn order_before(order: &DeviceOrder, registry: &StreamRegistry, stream: StreamHandle, ranges: &[Range]) {
+    match order.rule() {
+        StreamOrdering::ByNeed => {
+            order.uses().wait_for(stream, ranges);
+        }
+        StreamOrdering::AllStreams => wait_for_all_streams(order.driver(), registry, stream),
+        StreamOrdering::Unordered => {}
+    }
+}
+
+/// Records, under the by-need rule, that the work just queued on `stream` touched `ranges`.
+fn order_after(order: &DeviceOrder, stream: StreamHandle, ranges: &[Range]) {
+    if order.rule() == StreamOrdering::ByNeed {
+        order.uses().mark(order.driver(), stream, ranges);
+    }
+}
+
+/// Makes `stream` wait (device side) for the work queued so far on every other stream.
+fn wait_for_all_streams(driver: &Arc<dyn Driver>, registry: &StreamRegistry, stream: StreamHandle) {
+    let others: Vec<StreamHandle> =
+        registry.lock().unwrap_or_else(|e| e.into_inner()).iter().copied().filter(|s| *s != stream).collect();
+    for other in others {
+        Fence::new(driver.clone(), other).wait_async(stream);
     }
 }
 
@@ -368,6 +403,7 @@ fn reserve_pinned(stream: &mut GpuStream, size: usize) -> Bytes {
 /// kept alive by the stream's drop queue).
 fn create_on_stream(
     driver: &Arc<dyn Driver>,
+    order: &DeviceOrder,
     stream: &mut GpuStream,
     cursor: u64,
     stream_id: StreamId,
@@ -379,6 +415,11 @@ fn create_on_stream(
     let mut staging = reserve_pinned(stream, data.len());
     staging.copy_from_slice(data);
     let resource = resource_of(stream, &handle.clone().binding())?;
+    // Fresh memory of this stream's pool may have been used by another stream before it was
+    // freed; the caller marks the range once its own work is queued.
+    if order.rule() == StreamOrdering::ByNeed {
+        order.uses().wait_for(stream.handle, &[range_of(&resource)]);
+    }
     queue_htod(driver, stream, resource.ptr, resource.size, staging)?;
     Ok(handle)
 }
@@ -443,8 +484,12 @@ impl<P: Platform> GpuServer<P> {
         self.check_errors(stream_id)?;
         let mut streams = self.streams.resolve(stream_id, descriptors.iter().map(|d| &d.handle), true)?;
         let current_handle = streams.current().handle;
-        // The ordering rule (module docs): first wait for every stream's queued work.
-        Self::wait_for_all_streams(&self.driver, &self.registry, current_handle);
+        // The ordering rule (module docs): first wait for the streams that used the buffers.
+        let mut ranges = Vec::with_capacity(descriptors.len());
+        for descriptor in &descriptors {
+            ranges.push(range_of(&resource_of(streams.get(&descriptor.handle.stream), &descriptor.handle)?));
+        }
+        order_before(&self.order, &self.registry, current_handle, &ranges);
 
         // Copies already queued write into `pending`'s buffers: on an error below, a fence is
         // recorded before returning, so that dropping `pending` waits for them.
@@ -495,6 +540,8 @@ impl<P: Platform> GpuServer<P> {
             }
         }
         pending.fence = Some(Fence::new(self.driver.clone(), current_handle));
+        // A later write by another stream must wait for these copies.
+        order_after(&self.order, current_handle, &ranges);
         Ok(pending)
     }
 }
@@ -643,8 +690,19 @@ impl<P: Platform> ComputeServer for GpuServer<P> {
         else {
             return;
         };
-        // The ordering rule (module docs): the copies wait for every stream's queued work.
-        Self::wait_for_all_streams(&self.driver, &self.registry, streams.current().handle);
+        // The ordering rule (module docs): the copies wait for the streams that used the buffers.
+        let mut ranges = Vec::with_capacity(descriptors.len());
+        for (descriptor, _) in &descriptors {
+            match resource_of(streams.get(&descriptor.handle.stream), &descriptor.handle) {
+                Ok(resource) => ranges.push(range_of(&resource)),
+                Err(err) => {
+                    streams.current().errors.push(err.into());
+                    return;
+                }
+            }
+        }
+        let handle = streams.current().handle;
+        order_before(&self.order, &self.registry, handle, &ranges);
         for (CopyDescriptor { handle: binding, shape, strides, .. }, data) in descriptors {
             let result = (|| {
                 if !has_contiguous_row_major_strides(&shape, &strides) {
@@ -665,9 +723,10 @@ impl<P: Platform> ComputeServer for GpuServer<P> {
             })();
             if let Err(err) = result {
                 streams.current().errors.push(err.into());
-                return;
+                break;
             }
         }
+        order_after(&self.order, handle, &ranges);
     }
 
     fn sync(&mut self, stream_id: StreamId) -> DynFut<Result<(), ServerError>> {

@@ -12,6 +12,7 @@ use cubecl_core::server::IoError;
 use cubecl_runtime::memory_management::ManagedMemoryBinding;
 use cubecl_runtime::storage::{ComputeStorage, StorageHandle, StorageId, StorageUtilization};
 
+use super::order::{DeviceOrder, StreamOrdering};
 use crate::driver::{DevicePtr, Driver, DriverError, HostPtr, MacaError, StreamHandle};
 
 /// Alignment of device allocations handed out by the memory pools, in bytes.
@@ -27,8 +28,10 @@ fn io_error(what: &str, error: DriverError) -> IoError {
 pub struct GpuStorage {
     driver: Arc<dyn Driver>,
     stream: StreamHandle,
-    memory: HashMap<StorageId, DevicePtr>,
+    /// Pages: address and size.
+    memory: HashMap<StorageId, (DevicePtr, u64)>,
     pending_frees: Vec<StorageId>,
+    order: Arc<DeviceOrder>,
 }
 
 impl std::fmt::Debug for GpuStorage {
@@ -50,8 +53,8 @@ pub struct GpuResource {
 }
 
 impl GpuStorage {
-    pub(crate) fn new(driver: Arc<dyn Driver>, stream: StreamHandle) -> Self {
-        Self { driver, stream, memory: HashMap::new(), pending_frees: Vec::new() }
+    pub(crate) fn new(driver: Arc<dyn Driver>, stream: StreamHandle, order: Arc<DeviceOrder>) -> Self {
+        Self { driver, stream, memory: HashMap::new(), pending_frees: Vec::new(), order }
     }
 
     /// Live device allocations (pages) of this storage.
@@ -74,7 +77,7 @@ impl ComputeStorage for GpuStorage {
 
     fn get(&mut self, handle: &StorageHandle) -> GpuResource {
         // The memory manager only asks for pages it allocated and has not freed.
-        let base = *self.memory.get(&handle.id).expect("storage handle of a live device allocation");
+        let (base, _) = *self.memory.get(&handle.id).expect("storage handle of a live device allocation");
         GpuResource { ptr: base.offset(handle.offset() as usize), size: handle.size() }
     }
 
@@ -96,7 +99,7 @@ impl ComputeStorage for GpuStorage {
             return Err(io_error("synchronising after a device allocation failed", err));
         }
         let id = StorageId::new();
-        self.memory.insert(id, ptr);
+        self.memory.insert(id, (ptr, size));
         Ok(StorageHandle::new(id, StorageUtilization { offset: 0, size }))
     }
 
@@ -106,11 +109,19 @@ impl ComputeStorage for GpuStorage {
 
     fn flush(&mut self) {
         for id in self.pending_frees.drain(..) {
-            if let Some(ptr) = self.memory.remove(&id) {
+            if let Some((ptr, size)) = self.memory.remove(&id) {
+                // Other streams' last uses of the page come first (ordering by need; under the
+                // all-streams rule every operation already waited for them).
+                let page = (ptr.as_raw() as u64, ptr.as_raw() as u64 + size);
+                if self.order.rule() == StreamOrdering::ByNeed {
+                    let mut uses = self.order.uses();
+                    uses.wait_for(self.stream, &[page]);
+                    uses.remove(page);
+                }
                 // SAFETY: the memory manager deallocates a page only once no handle refers to it
                 // any more; work already queued on this storage's stream may still use it, which
-                // `free_async` on that same stream allows. Cross-stream users were ordered before
-                // this stream by `MultiStream` (it waits on their events before reuse).
+                // `free_async` on that same stream allows. Other streams' uses were ordered before
+                // this point on the stream (by the wait above, or by the all-streams rule).
                 let _ = unsafe { self.driver.free_async(ptr, self.stream) };
             }
         }

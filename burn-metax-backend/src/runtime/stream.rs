@@ -13,6 +13,7 @@ use cubecl_runtime::memory_management::{MemoryAllocationMode, MemoryManagement, 
 use cubecl_runtime::stream::EventStreamBackend;
 
 use super::fence::Fence;
+use super::order::DeviceOrder;
 use super::storage::{GpuStorage, PINNED_MEMORY_ALIGNMENT, PinnedStorage};
 use crate::driver::{Driver, StreamHandle};
 
@@ -43,6 +44,7 @@ pub struct GpuStreamBackend {
     memory_config: MemoryConfiguration,
     logger: Arc<ServerLogger>,
     registry: StreamRegistry,
+    order: Arc<DeviceOrder>,
 }
 
 impl GpuStreamBackend {
@@ -52,8 +54,9 @@ impl GpuStreamBackend {
         memory_config: MemoryConfiguration,
         logger: Arc<ServerLogger>,
         registry: StreamRegistry,
+        order: Arc<DeviceOrder>,
     ) -> Self {
-        Self { driver, memory_properties, memory_config, logger, registry }
+        Self { driver, memory_properties, memory_config, logger, registry, order }
     }
 }
 
@@ -79,7 +82,7 @@ impl EventStreamBackend for GpuStreamBackend {
             ),
         };
         let memory_gpu = MemoryManagement::from_configuration(
-            GpuStorage::new(self.driver.clone(), handle),
+            GpuStorage::new(self.driver.clone(), handle, self.order.clone()),
             &self.memory_properties,
             self.memory_config.clone(),
             self.logger.clone(),
