@@ -155,6 +155,12 @@ impl EmuCommunicator {
             .collect())
     }
 
+    /// A handle that aborts the whole group from anywhere (e.g. when one rank's thread fails
+    /// outside a collective): every rank's waiting collectives return and later ones fail.
+    pub fn abort_handle(&self) -> EmuGroupAbort {
+        EmuGroupAbort(self.shared.clone())
+    }
+
     /// Queues this rank's part of the next collective on `stream`.
     fn queue(
         &self,
@@ -171,6 +177,18 @@ impl EmuCommunicator {
         let function = Box::new(move || shared.collective(number, rank, input, compute, write));
         self.driver.launch_host_function(stream, function)?;
         Ok(())
+    }
+}
+
+/// Aborts every rank of an [`EmuCommunicator`] group ([`EmuCommunicator::abort_handle`]).
+#[derive(Debug, Clone)]
+pub struct EmuGroupAbort(Arc<Rendezvous>);
+
+impl EmuGroupAbort {
+    /// Aborts the group (idempotent).
+    pub fn abort(&self) {
+        self.0.aborted.store(true, Ordering::Release);
+        self.0.changed.notify_all();
     }
 }
 
@@ -308,8 +326,7 @@ impl DeviceCommunicator for EmuCommunicator {
     }
 
     fn abort(&mut self) -> Result<(), CollectiveError> {
-        self.shared.aborted.store(true, Ordering::Release);
-        self.shared.changed.notify_all();
+        self.abort_handle().abort();
         Ok(())
     }
 }

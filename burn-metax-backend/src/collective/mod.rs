@@ -32,7 +32,7 @@ use crate::driver::{DevicePtr, DriverError, StreamHandle};
 use crate::mccl::McclError;
 use crate::runtime::BackendError;
 
-pub use emu::EmuCommunicator;
+pub use emu::{EmuCommunicator, EmuGroupAbort};
 pub use group::{DEFAULT_TIMEOUT, DeviceGroup, MetaxEmuGroup, MetaxGroup};
 pub use mccl::mccl_unique_id;
 #[cfg(feature = "cuda")]

@@ -11,12 +11,15 @@
 //! | `bandwidth.rs` | collectives against memory copies |
 //! | `memory.rs` | memory per rank, activation memory |
 //! | `alloc.rs` | the counting global allocator the memory figures read |
+//! | `step_profile.rs` | what a training step asks of the (emulated) device: launches, host syncs, stream waits |
 
 mod alloc;
 pub(crate) mod bandwidth;
 mod memory;
 mod pace;
 pub mod scaling;
+#[cfg(feature = "metax")]
+mod step_profile;
 pub(crate) mod throughput;
 
 use std::path::PathBuf;
@@ -81,6 +84,19 @@ pub struct BenchArgs {
     /// The CPU backend the scaling figures train on (`train-qwen3 --cpu-backend`).
     #[arg(long, value_enum, default_value_t = CpuBackend::DEFAULT)]
     pub cpu_backend: CpuBackend,
+    /// Only the step profile of `--device` (`metax-emu`: xtask built with `--features metax`):
+    /// the tiny preset trained at FSDP W = 1 and W = 4 on emulated MetaX devices, and per
+    /// training step and rank (steps 3..N, `--steps` of them) the kernel launches, blocking host
+    /// waits, cross-stream waits and the bytes collectives copy through the host — before
+    /// (every stream waits for every other, host collectives) and after (ordering by need,
+    /// device collectives). Prints `w1_launches_per_step`, `w4_launches_per_step`,
+    /// `w1_host_syncs_per_step`, `w4_host_syncs_per_step`, `w4_collective_host_bytes_per_step`
+    /// and `w4_cross_stream_waits_per_collective`. About 2 minutes.
+    #[arg(long, requires = "device", conflicts_with_all = ["quick", "activation_memory_only", "qwen3_06b_memory", "qwen3_06b_pace", "scaling_only"])]
+    pub step_profile: bool,
+    /// The device of `--step-profile`: `metax-emu`.
+    #[arg(long, value_enum)]
+    pub device: Option<crate::train::DeviceKind>,
     /// Internal: one single-device run of the scaling model, in a process pinned by `bench`.
     #[arg(long, hide = true)]
     pub scaling_worker: bool,
@@ -102,6 +118,25 @@ struct TorchFigures {
     params: usize,
     forward_tokens_per_sec: f64,
     train_step_tokens_per_sec: f64,
+}
+
+/// `--step-profile` on `--device`.
+fn step_profile_figures(args: &BenchArgs) -> Result<Vec<(String, f64)>> {
+    match args.device {
+        #[cfg(feature = "metax")]
+        Some(crate::train::DeviceKind::MetaxEmu) => step_profile::figures(args.steps),
+        #[cfg(not(feature = "metax"))]
+        Some(crate::train::DeviceKind::MetaxEmu) => {
+            anyhow::bail!(
+                "--device metax-emu needs xtask built with `--features metax` (`cargo xtask-metax bench …`)"
+            )
+        }
+        Some(other) => anyhow::bail!(
+            "--step-profile counts what the emulated MetaX device is asked to do: use --device metax-emu, not {}",
+            other.name()
+        ),
+        None => anyhow::bail!("--step-profile needs --device metax-emu"),
+    }
 }
 
 /// The interpreter to use: `--python`, else `$PYTHON`, else `python3`.
@@ -170,6 +205,11 @@ pub fn run(args: &BenchArgs) -> Result<Vec<(String, f64)>> {
     if args.scaling_worker {
         scaling::worker(args.steps, args.world, args.cpu_backend)?;
         return Ok(Vec::new());
+    }
+    if args.step_profile {
+        let figures = step_profile_figures(args)?;
+        print_figures(&figures);
+        return Ok(figures);
     }
     if args.qwen3_06b_memory {
         let figures = memory_figures("qwen3_06b", &Qwen3Config::qwen3_0_6b(), &[4], 8, 128)?;

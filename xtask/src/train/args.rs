@@ -180,10 +180,27 @@ pub struct TrainArgs {
     /// the parity tests). bf16 mixed precision always runs on Flex (NdArray has no bf16).
     #[arg(long, value_enum, default_value_t = CpuBackend::DEFAULT)]
     pub cpu_backend: CpuBackend,
+    /// How in-process ranks on emulated MetaX devices (`--device metax-emu`, flat FSDP)
+    /// communicate: `device` (the default: collectives run on the devices' streams, device
+    /// memory to device memory, and no byte goes through the host) or `host` (burn-fsdp's
+    /// `LocalGroup`: each collective reads its input to the host and writes the result back).
+    /// `--mesh`/`--hsdp` always use `host`.
+    #[arg(long, value_enum, default_value_t = InProcessCollectives::Device)]
+    pub in_process_collectives: InProcessCollectives,
     /// Collective timeout in seconds: a rank that waits longer for its peers fails with an
     /// error (and so does the job). Meaningless on one device: refused with `--no-fsdp`.
     #[arg(long, default_value_t = 120.0, conflicts_with = "no_fsdp")]
     pub timeout: f64,
+}
+
+/// `--in-process-collectives` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum InProcessCollectives {
+    /// On the devices' streams (emulated MetaX devices).
+    Device,
+    /// Through host memory (burn-fsdp's `LocalGroup`).
+    Host,
 }
 
 /// `--activation-checkpointing` values.
@@ -225,7 +242,7 @@ pub enum DeviceKind {
     Cuda,
     /// The emulated MetaX device (the MetaX backend's kernels compiled by the host C++ compiler
     /// and run on the CPU at wave size 64): each in-process rank on its own emulated device,
-    /// host collectives. Needs g++ or clang++ (`scripts/setup.sh`).
+    /// device collectives (`--in-process-collectives`). Needs g++ or clang++ (`scripts/setup.sh`).
     MetaxEmu,
 }
 

@@ -20,8 +20,12 @@ mod run;
 pub(crate) mod setup;
 
 pub(crate) use args::parse_mesh;
-pub use args::{ActivationCheckpointing, CpuBackend, DeviceKind, Launcher, Precision, TrainArgs};
+pub use args::{
+    ActivationCheckpointing, CpuBackend, DeviceKind, InProcessCollectives, Launcher, Precision, TrainArgs,
+};
 pub use qwen3_burn::trainer::{LOSS_CHUNK_BYTES, RankGroups, StepMetrics, Topology, export_hf};
+#[cfg(feature = "metax")]
+pub use ranks::train_fsdp_emu;
 pub use ranks::{
     FsdpTrainBackend, cpu_rank, fsdp_config, fsdp_rank, options, regathers, train_fsdp, train_fsdp_cpu,
     train_fsdp_on, train_single,

@@ -151,6 +151,81 @@ pub fn train_fsdp_on<B: BurnBackend>(
     Ok(train_in_process::<B>(args.topology(), config, model, batches, &options, sink, device_of)?)
 }
 
+/// FSDP over in-process ranks on emulated MetaX devices (rank `r` on device `r`, flat
+/// topology), with the collectives `--in-process-collectives` asks for: on the devices (a
+/// [`MetaxEmuGroup`] per rank over one [`EmuCommunicator`] group) or through the host
+/// (burn-fsdp's `LocalGroup`). `wrap` may wrap each rank's group (benchmarks count what the
+/// collectives do). A rank that fails aborts the group, so its peers stop within their current
+/// collective.
+///
+/// [`MetaxEmuGroup`]: burn_metax_backend::collective::MetaxEmuGroup
+/// [`EmuCommunicator`]: burn_metax_backend::collective::EmuCommunicator
+#[cfg(feature = "metax")]
+pub fn train_fsdp_emu(
+    args: &TrainArgs,
+    setup: Setup,
+    sink: &dyn trainer::TrainSink,
+    wrap: &(
+         dyn Fn(Arc<dyn ProcessGroup<MetaxEmu>>, MetaxEmuDevice) -> Arc<dyn ProcessGroup<MetaxEmu>> + Sync
+     ),
+) -> Result<Vec<StepMetrics>> {
+    use super::args::InProcessCollectives;
+    use burn_metax_backend::collective::{EmuCommunicator, MetaxEmuGroup};
+    use std::sync::Mutex;
+    let topology = args.topology();
+    let qwen3_burn::trainer::Topology::Flat(world) = topology else {
+        anyhow::bail!("in-process ranks on emulated devices: --mesh/--hsdp are not supported here");
+    };
+    let options = setup_options(args, &setup)?;
+    let timeout = options.timeout;
+    let on_device = args.in_process_collectives == InProcessCollectives::Device;
+    let comms = if on_device {
+        EmuCommunicator::group(world).map_err(|e| anyhow::anyhow!("--device metax-emu: {e}"))?
+    } else {
+        Vec::new()
+    };
+    let abort = comms.first().map(EmuCommunicator::abort_handle);
+    let comms: Vec<Mutex<Option<EmuCommunicator>>> = comms.into_iter().map(|c| Mutex::new(Some(c))).collect();
+    let Setup { config, model, batches, .. } = &setup;
+    let results = burn_fsdp::comm::local::launch(world, timeout, |local| {
+        let rank = ProcessGroup::<MetaxEmu>::rank(&*local);
+        let device = MetaxEmuDevice::new(rank);
+        let result = (|| {
+            let group: Arc<dyn ProcessGroup<MetaxEmu>> = if on_device {
+                let comm = comms[rank]
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .take()
+                    .ok_or_else(|| format!("rank {rank}: its communicator was already taken"))?;
+                Arc::new(
+                    MetaxEmuGroup::new(device, comm, timeout)
+                        .map_err(|e| format!("rank {rank}: joining the emulated devices' group: {e}"))?,
+                )
+            } else {
+                local.clone()
+            };
+            let groups = RankGroups::<MetaxEmu> {
+                topology,
+                rank,
+                outer: wrap(group, device),
+                inner: None,
+                gate: None,
+                device,
+            };
+            trainer::train::<MetaxEmu>(Parallelism::Sharded(groups), config, model, batches, &options, sink)
+                .map_err(|e| e.to_string())
+        })();
+        if result.is_err()
+            && let Some(abort) = &abort
+        {
+            abort.abort();
+        }
+        result
+    })
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    results.into_iter().next().ok_or_else(|| anyhow::anyhow!("no rank ran"))
+}
+
 /// One FSDP rank's training (any process groups: in-process threads, MPI or TCP processes,
 /// device communicators). Rank 0 reports to `sink`.
 pub fn fsdp_rank<B: BurnBackend>(

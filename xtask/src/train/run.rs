@@ -10,6 +10,8 @@ use anyhow::{Context, Result, bail};
 use burn_metax_backend::{MetaxEmu, MetaxEmuDevice};
 use qwen3_burn::trainer::{StepMetrics, Topology};
 
+#[cfg(feature = "metax")]
+use super::args::InProcessCollectives;
 use super::args::{CpuBackend, DeviceKind, Launcher, Precision, TrainArgs};
 #[cfg(feature = "metax")]
 use super::ranks::train_fsdp_on;
@@ -284,6 +286,14 @@ pub fn run(args: &TrainArgs) -> Result<Vec<StepMetrics>> {
     let metrics = match (args.no_fsdp, args.mixed_precision, &mpi) {
         (true, _, _) => train_single(args, setup, &sink)?,
         (false, precision, Some(m)) => m.train(args, setup, &sink, precision)?,
+        #[cfg(feature = "metax")]
+        (false, _, None)
+            if args.device == DeviceKind::MetaxEmu
+                && args.in_process_collectives == InProcessCollectives::Device
+                && matches!(args.topology(), Topology::Flat(_)) =>
+        {
+            super::ranks::train_fsdp_emu(args, setup, &sink, &|group, _| group)?
+        }
         #[cfg(feature = "metax")]
         (false, _, None) if args.device == DeviceKind::MetaxEmu => {
             train_fsdp_on::<MetaxEmu>(args, setup, &sink, MetaxEmuDevice::new)?

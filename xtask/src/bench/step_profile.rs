@@ -1,0 +1,233 @@
+//! `cargo xtask bench --device metax-emu --step-profile`: what one training step asks of the
+//! device, counted on the emulated MetaX device ([`burn_metax_backend::emu::EmuCounters`]).
+//!
+//! The tiny Qwen3 preset trains at FSDP W = 1 and at W = 4 (in-process ranks, rank `r` on
+//! emulated device `r`), each configuration in three runs: one warm-up step (kernels compiled,
+//! memory pools filled), then `2` and `2 + steps` steps. A figure per step is the difference of
+//! the last two runs' counts over `steps`: steps 3..N of a run, with no boundary between steps to
+//! guess. Counts are per rank (per device), averaged over the ranks.
+//!
+//! Two W = 4 configurations run side by side:
+//! - **after** (what `train-qwen3 --device metax-emu` does): streams ordered by need, device
+//!   collectives (`--in-process-collectives device`);
+//! - **before**: every operation waits for every other stream (`StreamOrdering::AllStreams`),
+//!   host collectives (`--in-process-collectives host`, burn-fsdp's `LocalGroup`).
+//!
+//! Collective host bytes are the host ↔ device bytes copied on a rank's device while that rank
+//! is inside a collective call (a wrapper around its process group reads the device's counters
+//! before and after each call). Another thread of the same rank copying in that window would
+//! be counted too; device collectives only queue work, so their window is short.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use anyhow::{Context, Result};
+use burn::tensor::Tensor;
+use burn_fsdp::comm::{CommError, CommStats, ProcessGroup, ReduceOp, Tag};
+use burn_metax_backend::emu::EmuCounters;
+use burn_metax_backend::runtime::{
+    MetaxEmuPlatform, Platform, StreamOrdering, emu_driver, set_stream_ordering,
+};
+use burn_metax_backend::{MetaxEmu, MetaxEmuDevice};
+
+use crate::train::{MetricsSink, TrainArgs, setup, train_fsdp_emu};
+
+/// Collective calls and the host bytes copied during them, over all ranks.
+#[derive(Debug, Default)]
+struct CollectiveCounts {
+    calls: AtomicU64,
+    host_bytes: AtomicU64,
+}
+
+/// A rank's process group that counts its collectives' calls and host copies.
+struct Counting {
+    inner: Arc<dyn ProcessGroup<MetaxEmu>>,
+    device: usize,
+    counts: Arc<CollectiveCounts>,
+}
+
+impl Counting {
+    fn host_bytes(&self) -> u64 {
+        let c = emu_driver().map(|d| d.counters(self.device)).unwrap_or_default();
+        c.host_to_device_bytes + c.device_to_host_bytes
+    }
+
+    fn counted<T>(&self, call: impl FnOnce() -> T) -> T {
+        let before = self.host_bytes();
+        let out = call();
+        let copied = self.host_bytes().saturating_sub(before);
+        self.counts.calls.fetch_add(1, Ordering::Relaxed);
+        self.counts.host_bytes.fetch_add(copied, Ordering::Relaxed);
+        out
+    }
+}
+
+impl ProcessGroup<MetaxEmu> for Counting {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+
+    fn stats(&self) -> CommStats {
+        self.inner.stats()
+    }
+
+    fn all_gather(&self, input: Tensor<MetaxEmu, 1>, tag: &Tag) -> Result<Tensor<MetaxEmu, 1>, CommError> {
+        self.counted(|| self.inner.all_gather(input, tag))
+    }
+
+    fn reduce_scatter(
+        &self,
+        input: Tensor<MetaxEmu, 1>,
+        op: ReduceOp,
+        tag: &Tag,
+    ) -> Result<Tensor<MetaxEmu, 1>, CommError> {
+        self.counted(|| self.inner.reduce_scatter(input, op, tag))
+    }
+
+    fn all_reduce(
+        &self,
+        input: Tensor<MetaxEmu, 1>,
+        op: ReduceOp,
+        tag: &Tag,
+    ) -> Result<Tensor<MetaxEmu, 1>, CommError> {
+        self.counted(|| self.inner.all_reduce(input, op, tag))
+    }
+
+    fn broadcast(
+        &self,
+        input: Tensor<MetaxEmu, 1>,
+        root: usize,
+        tag: &Tag,
+    ) -> Result<Tensor<MetaxEmu, 1>, CommError> {
+        self.counted(|| self.inner.broadcast(input, root, tag))
+    }
+
+    fn barrier(&self, tag: &Tag) -> Result<(), CommError> {
+        self.counted(|| self.inner.barrier(tag))
+    }
+
+    fn abort(&self, reason: &str) {
+        self.inner.abort(reason)
+    }
+}
+
+/// What one run did, summed over its ranks.
+#[derive(Debug, Clone, Copy, Default)]
+struct Totals {
+    device: EmuCounters,
+    collectives: u64,
+    collective_host_bytes: u64,
+}
+
+/// One configuration: world size, stream-ordering rule and collectives.
+struct Config {
+    world: usize,
+    ordering: StreamOrdering,
+    collectives: &'static str,
+}
+
+/// Trains `steps` steps of the tiny preset in `config` and returns the counts.
+fn run(config: &Config, steps: usize) -> Result<Totals> {
+    for device in 0..config.world {
+        set_stream_ordering(MetaxEmuPlatform::NAME, device, config.ordering);
+    }
+    let argv = [
+        "train-qwen3",
+        "--device",
+        "metax-emu",
+        "--world-size",
+        &config.world.to_string(),
+        "--steps",
+        &steps.to_string(),
+        "--in-process-collectives",
+        config.collectives,
+        "--quiet",
+    ];
+    let args = TrainArgs::parse_from_args(&argv)?;
+    let setup = setup(&args)?;
+    let driver = emu_driver().context("the emulated device (scripts/setup.sh installs g++)")?;
+    let read = || (0..config.world).fold(EmuCounters::default(), |sum, d| sum.plus(&driver.counters(d)));
+    let counts = Arc::new(CollectiveCounts::default());
+    let sink = MetricsSink::new(None, true)?;
+    let before = read();
+    let wrap = |group: Arc<dyn ProcessGroup<MetaxEmu>>, device: MetaxEmuDevice| {
+        Arc::new(Counting { inner: group, device: device.index, counts: counts.clone() })
+            as Arc<dyn ProcessGroup<MetaxEmu>>
+    };
+    train_fsdp_emu(&args, setup, &sink, &wrap)?;
+    Ok(Totals {
+        device: read().since(&before),
+        collectives: counts.calls.load(Ordering::Relaxed),
+        collective_host_bytes: counts.host_bytes.load(Ordering::Relaxed),
+    })
+}
+
+/// Per step and per rank, from a run of 2 steps and one of `2 + steps`.
+struct PerStep {
+    launches: f64,
+    host_syncs: f64,
+    cross_stream_waits: f64,
+    collectives: f64,
+    collective_host_bytes: f64,
+}
+
+fn per_step(config: &Config, steps: usize) -> Result<PerStep> {
+    run(config, 1)?;
+    let short = run(config, 2)?;
+    let long = run(config, 2 + steps)?;
+    let d = long.device.since(&short.device);
+    let per = |n: u64| n as f64 / (steps * config.world) as f64;
+    Ok(PerStep {
+        launches: per(d.launches),
+        host_syncs: per(d.host_syncs),
+        cross_stream_waits: per(d.cross_stream_waits),
+        collectives: per(long.collectives.saturating_sub(short.collectives)),
+        collective_host_bytes: per(long.collective_host_bytes.saturating_sub(short.collective_host_bytes)),
+    })
+}
+
+/// The figures, as `name: value` pairs.
+pub fn figures(steps: usize) -> Result<Vec<(String, f64)>> {
+    let steps = steps.max(1);
+    let w1 = per_step(&Config { world: 1, ordering: StreamOrdering::ByNeed, collectives: "device" }, steps)?;
+    let after =
+        per_step(&Config { world: 4, ordering: StreamOrdering::ByNeed, collectives: "device" }, steps)?;
+    let before =
+        per_step(&Config { world: 4, ordering: StreamOrdering::AllStreams, collectives: "host" }, steps)?;
+    for device in 0..4 {
+        set_stream_ordering(MetaxEmuPlatform::NAME, device, StreamOrdering::ByNeed);
+    }
+    let waits_per_collective =
+        |p: &PerStep| if p.collectives > 0.0 { p.cross_stream_waits / p.collectives } else { 0.0 };
+    println!(
+        "step profile on the emulated MetaX device: tiny preset, {steps} steps counted per configuration"
+    );
+    println!(
+        "| per step and rank | W = 1 | W = 4 before (all streams, host collectives) | W = 4 after (by need, device collectives) |"
+    );
+    println!("|---|---|---|---|");
+    let row = |name: &str, f: &dyn Fn(&PerStep) -> f64| {
+        println!("| {name} | {:.1} | {:.1} | {:.1} |", f(&w1), f(&before), f(&after));
+    };
+    row("kernel launches", &|p| p.launches);
+    row("host syncs", &|p| p.host_syncs);
+    row("cross-stream waits", &|p| p.cross_stream_waits);
+    row("collectives", &|p| p.collectives);
+    row("collective host bytes", &|p| p.collective_host_bytes);
+    row("cross-stream waits per collective", &waits_per_collective);
+    Ok(vec![
+        ("w1_launches_per_step".into(), w1.launches),
+        ("w4_launches_per_step".into(), after.launches),
+        ("w1_host_syncs_per_step".into(), w1.host_syncs),
+        ("w4_host_syncs_per_step".into(), after.host_syncs),
+        ("w4_collective_host_bytes_per_step".into(), after.collective_host_bytes),
+        ("w4_cross_stream_waits_per_collective".into(), waits_per_collective(&after)),
+        ("w4_before_host_syncs_per_step".into(), before.host_syncs),
+        ("w4_before_collective_host_bytes_per_step".into(), before.collective_host_bytes),
+        ("w4_before_cross_stream_waits_per_collective".into(), waits_per_collective(&before)),
+    ])
+}
