@@ -85,8 +85,14 @@ fn double_vecmat_batched() {
     assert_eq!(report.failed(), 0, "{report}");
 }
 
+/// One training run at a time: runs at W = 4 use device collectives, and two such jobs in one
+/// process can deadlock when CubeCL gives threads of both the same stream on two devices (see
+/// `EmuCommunicator`).
+static ONE_RUN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// The per-step losses and grad norms of a 20-step tiny-a run on the emulated device.
 fn run(extra: &[&str]) -> (Vec<f64>, Vec<f64>) {
+    let _one = ONE_RUN.lock().unwrap_or_else(|e| e.into_inner());
     let mut argv = vec!["--device", "metax-emu", "--steps", "20"];
     argv.extend_from_slice(extra);
     let metrics = xtask::train::run(&train_args("qwen3-tiny-a", &argv)).unwrap();
@@ -136,4 +142,49 @@ fn qwen3_fsdp4_bf16_on_the_emulator_follows_pytorch_bf16() {
     println!("metax-emu W=4 bf16: loss vs fsdp4_bf16.json {to_bf16:.2e}, vs fsdp4.json {to_fp32:.2e}");
     assert!(to_bf16 < to_fp32, "closer to the fp32 run ({to_fp32:e}) than to the bf16 one ({to_bf16:e})");
     assert!(to_bf16 < 1e-3, "bf16 loss {to_bf16:e}");
+}
+
+/// Run by `the_step_profile_counts_no_collective_byte_through_the_host` in a child process: its
+/// own emulated devices, which no other test uses while the counters run.
+#[test]
+#[ignore = "child process of the_step_profile_counts_no_collective_byte_through_the_host"]
+fn step_profile_child() {
+    for (name, value) in xtask::bench::step_profile::figures(2).unwrap() {
+        println!("FIGURE {name}={value}");
+    }
+}
+
+/// `cargo xtask bench --device metax-emu --step-profile`'s counters, on the tiny preset: at W = 4
+/// with device collectives no collective copies a byte through the host, where host collectives
+/// (the "before" column, measured in the same run) copy megabytes — so the counter sees such
+/// bytes when there are any; and ordering by need makes far fewer cross-stream waits than the
+/// all-streams rule.
+#[test]
+fn the_step_profile_counts_no_collective_byte_through_the_host() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "emu_metax::step_profile_child", "--ignored", "--nocapture", "--test-threads=1"])
+        .env("METAX_EMU_DEVICES", "4")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "child failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let figure = |name: &str| -> f64 {
+        stdout
+            .lines()
+            .find_map(|l| l.find(&format!("FIGURE {name}=")).map(|at| &l[at + name.len() + 8..]))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in:\n{stdout}"))
+    };
+    println!("{}", stdout.lines().filter(|l| l.starts_with('|')).collect::<Vec<_>>().join("\n"));
+    assert_eq!(figure("w4_collective_host_bytes_per_step"), 0.0);
+    assert!(figure("w4_before_collective_host_bytes_per_step") > 1e5);
+    let (after, before) = (
+        figure("w4_cross_stream_waits_per_collective"),
+        figure("w4_before_cross_stream_waits_per_collective"),
+    );
+    assert!(
+        after > 0.0 && after * 50.0 < before,
+        "cross-stream waits per collective: {after} by need, {before} all streams"
+    );
+    assert!(figure("w4_launches_per_step") > 0.0 && figure("w1_launches_per_step") > 0.0);
 }

@@ -15,6 +15,12 @@
 //! aborts the communicator ([`DeviceCommunicator::abort`]), which releases every waiting stream
 //! of the group.
 //!
+//! A collective holds its stream until every rank's stream has reached it, as a collective
+//! kernel does. Two groups whose collectives can hold each other's streams can deadlock, as two
+//! NCCL communicators sharing streams can: CubeCL maps threads to a fixed number of streams per
+//! device (`value % max_streams`), so two jobs training at once in one process, on the same
+//! devices, may share streams. Run one such job per process at a time.
+//!
 //! [`DeviceGroup`]: super::DeviceGroup
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -540,6 +540,8 @@ impl<P: Platform> GpuServer<P> {
             }
         }
         pending.fence = Some(Fence::new(self.driver.clone(), current_handle));
+        let read: usize = pending.bytes.iter().map(|b| b.len()).sum();
+        super::host_bytes::add(P::NAME, self.device, stream_id, read as u64);
         // A later write by another stream must wait for these copies.
         order_after(&self.order, current_handle, &ranges);
         Ok(pending)
@@ -703,6 +705,8 @@ impl<P: Platform> ComputeServer for GpuServer<P> {
         }
         let handle = streams.current().handle;
         order_before(&self.order, &self.registry, handle, &ranges);
+        let written: usize = descriptors.iter().map(|(_, data)| data.len()).sum();
+        super::host_bytes::add(P::NAME, self.device, stream_id, written as u64);
         for (CopyDescriptor { handle: binding, shape, strides, .. }, data) in descriptors {
             let result = (|| {
                 if !has_contiguous_row_major_strides(&shape, &strides) {

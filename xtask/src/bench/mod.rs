@@ -19,7 +19,7 @@ mod memory;
 mod pace;
 pub mod scaling;
 #[cfg(feature = "metax")]
-mod step_profile;
+pub mod step_profile;
 pub(crate) mod throughput;
 
 use std::path::PathBuf;

@@ -13,10 +13,12 @@
 //! - **before**: every operation waits for every other stream (`StreamOrdering::AllStreams`),
 //!   host collectives (`--in-process-collectives host`, burn-fsdp's `LocalGroup`).
 //!
-//! Collective host bytes are the host ↔ device bytes copied on a rank's device while that rank
-//! is inside a collective call (a wrapper around its process group reads the device's counters
-//! before and after each call). Another thread of the same rank copying in that window would
-//! be counted too; device collectives only queue work, so their window is short.
+//! Collective host bytes are the data a collective call copies between the rank's device and
+//! the host: a wrapper around the rank's process group reads, before and after each call, the
+//! bytes the device's server has read or written for the calling thread's stream
+//! ([`host_bytes_of_this_thread`]), so other threads' copies in the meantime are not counted;
+//! the server is made to take the thread's earlier work first (a round trip that makes no driver
+//! call), so the upload of the call's own input is not counted either.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,9 +28,9 @@ use burn::tensor::Tensor;
 use burn_fsdp::comm::{CommError, CommStats, ProcessGroup, ReduceOp, Tag};
 use burn_metax_backend::emu::EmuCounters;
 use burn_metax_backend::runtime::{
-    MetaxEmuPlatform, Platform, StreamOrdering, emu_driver, set_stream_ordering,
+    MetaxEmuPlatform, Platform, StreamOrdering, emu_driver, host_bytes_of_this_thread, set_stream_ordering,
 };
-use burn_metax_backend::{MetaxEmu, MetaxEmuDevice};
+use burn_metax_backend::{MetaxEmu, MetaxEmuDevice, MetaxEmuRuntime};
 
 use crate::train::{MetricsSink, TrainArgs, setup, train_fsdp_emu};
 
@@ -47,12 +49,20 @@ struct Counting {
 }
 
 impl Counting {
+    /// The host ↔ device bytes this thread's stream has copied on the rank's device so far.
     fn host_bytes(&self) -> u64 {
-        let c = emu_driver().map(|d| d.counters(self.device)).unwrap_or_default();
-        c.host_to_device_bytes + c.device_to_host_bytes
+        host_bytes_of_this_thread(MetaxEmuPlatform::NAME, self.device)
     }
 
     fn counted<T>(&self, call: impl FnOnce() -> T) -> T {
+        // The client hands work to the device's server thread without waiting: let it take
+        // what this thread queued before the call (e.g. the upload of the call's input), so that
+        // only the call's own copies fall in the window. Asking the server for its memory usage
+        // is such a round trip, and makes no driver call (a flush could wait for events, which
+        // the host-sync counter would see).
+        if let Ok(client) = MetaxEmuRuntime::try_client(&MetaxEmuDevice::new(self.device)) {
+            let _ = client.memory_usage();
+        }
         let before = self.host_bytes();
         let out = call();
         let copied = self.host_bytes().saturating_sub(before);
