@@ -40,24 +40,21 @@ fn run_ranks<T: Send>(
     communicate_at_size_one: bool,
     f: impl Fn(&MetaxEmuGroup, MetaxEmuDevice) -> T + Sync,
 ) -> Vec<T> {
-    let comms = EmuCommunicator::group(world).expect("communicators");
-    let f = &f;
-    std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .enumerate()
-            .map(|(rank, comm)| {
-                s.spawn(move || {
-                    let device = MetaxEmuDevice::new(rank);
-                    let group = MetaxEmuGroup::new(device, comm, Duration::from_secs(60))
-                        .expect("join the group")
-                        .communicate_at_size_one(communicate_at_size_one);
-                    f(&group, device)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
-    })
+    let comms: Vec<Mutex<Option<EmuCommunicator>>> = EmuCommunicator::group(world)
+        .expect("communicators")
+        .into_iter()
+        .map(|c| Mutex::new(Some(c)))
+        .collect();
+    let join = |rank: usize| {
+        let comm =
+            comms[rank].lock().unwrap_or_else(|e| e.into_inner()).take().expect("one communicator per rank");
+        let device = MetaxEmuDevice::new(rank);
+        let group = MetaxEmuGroup::new(device, comm, Duration::from_secs(60))
+            .expect("join the group")
+            .communicate_at_size_one(communicate_at_size_one);
+        (group, device)
+    };
+    collective_checks::run_ranks(world, join, f)
 }
 
 fn as_group(g: &MetaxEmuGroup) -> &dyn ProcessGroup<MetaxEmu> {

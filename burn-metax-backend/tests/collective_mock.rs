@@ -46,22 +46,14 @@ fn run_ranks<T: Send>(
 ) -> Vec<T> {
     let mccl = Arc::new(Mccl::load_from(mock_root_with_mccl()).expect("load the mock MCCL"));
     let id = mccl_unique_id(&mccl).expect("unique id");
-    let f = &f;
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..world)
-            .map(|rank| {
-                let mccl = mccl.clone();
-                s.spawn(move || {
-                    let device = MacaDevice::new(rank);
-                    let group = MetaxGroup::mccl(device, mccl, id, rank, world, timeout)
-                        .expect("join the group")
-                        .communicate_at_size_one(communicate_at_size_one);
-                    f(&group, device)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
-    })
+    let join = |rank: usize| {
+        let device = MacaDevice::new(rank);
+        let group = MetaxGroup::mccl(device, mccl.clone(), id, rank, world, timeout)
+            .expect("join the group")
+            .communicate_at_size_one(communicate_at_size_one);
+        (group, device)
+    };
+    collective_checks::run_ranks(world, join, f)
 }
 
 fn as_group(g: &MetaxGroup) -> &dyn ProcessGroup<Metax> {

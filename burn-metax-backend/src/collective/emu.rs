@@ -27,8 +27,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
-use burn_fsdp::comm::ReduceOp;
-
 use super::{CollectiveError, CommDType, CommOp, DeviceCommunicator};
 use crate::driver::{DevicePtr, StreamHandle};
 use crate::emu::EmuDriver;
@@ -228,21 +226,13 @@ fn writer(dst: usize) -> impl FnOnce(&[u8]) + Send + 'static {
     }
 }
 
-fn reduce_op(op: CommOp) -> ReduceOp {
-    match op {
-        CommOp::Sum => ReduceOp::Sum,
-        CommOp::Avg => ReduceOp::Avg,
-        CommOp::Max => ReduceOp::Max,
-    }
-}
-
 /// Rank-order reduction of `n` elements at byte offset `offset` of every input.
 fn reduce(inputs: &[(usize, usize)], offset: usize, n: usize, dtype: CommDType, op: CommOp) -> Vec<u8> {
     let len = n * dtype.size();
     // SAFETY: every input holds at least `offset + len` bytes (the collective's contract) and is
     // not written between the rendezvous.
     let parts: Vec<&[u8]> = inputs.iter().map(|&(start, _)| unsafe { bytes(start + offset, len) }).collect();
-    match burn_fsdp::comm::host::reduce_to_data(&parts, dtype.dtype(), reduce_op(op), n) {
+    match burn_fsdp::comm::host::reduce_to_data(&parts, dtype.dtype(), op.into(), n) {
         Ok(data) => data.into_bytes().to_vec(),
         // Only for dtypes the communicator never accepts (CommDType is float only).
         Err(_) => vec![0; len],

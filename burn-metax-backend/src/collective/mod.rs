@@ -107,6 +107,16 @@ impl From<ReduceOp> for CommOp {
     }
 }
 
+impl From<CommOp> for ReduceOp {
+    fn from(op: CommOp) -> Self {
+        match op {
+            CommOp::Sum => Self::Sum,
+            CommOp::Avg => Self::Avg,
+            CommOp::Max => Self::Max,
+        }
+    }
+}
+
 /// An error of a device communicator or of the device work around it.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum CollectiveError {

@@ -57,6 +57,24 @@ impl StreamOrdering {
         }
     }
 
+    /// The rule as a small number (for [`DeviceOrder`]'s packed cache).
+    fn code(self) -> u64 {
+        match self {
+            Self::ByNeed => 0,
+            Self::AllStreams => 1,
+            Self::Unordered => 2,
+        }
+    }
+
+    /// The rule [`StreamOrdering::code`] gave `code`.
+    fn from_code(code: u64) -> Self {
+        match code {
+            1 => Self::AllStreams,
+            2 => Self::Unordered,
+            _ => Self::ByNeed,
+        }
+    }
+
     /// The rule's name, as [`StreamOrdering::parse`] reads it.
     pub fn name(self) -> &'static str {
         match self {
@@ -268,14 +286,20 @@ impl Uses {
     }
 }
 
+/// `generation` (its low 62 bits) and `rule` in one word.
+fn pack(generation: u64, rule: StreamOrdering) -> u64 {
+    (generation << 2) | rule.code()
+}
+
 /// The ordering state of one device, shared by its server and its streams' storages.
 pub(crate) struct DeviceOrder {
     platform: &'static str,
     device: usize,
     driver: Arc<dyn Driver>,
     uses: Mutex<Uses>,
-    /// `(GENERATION when read, rule)`.
-    cached: Mutex<(u64, StreamOrdering)>,
+    /// `GENERATION` when the rule was read, shifted left by 2, with the rule's code in the low
+    /// two bits: one atomic, so that reading the rule (several times per launch) takes no lock.
+    cached: AtomicU64,
 }
 
 impl std::fmt::Debug for DeviceOrder {
@@ -292,18 +316,22 @@ impl DeviceOrder {
             device,
             driver,
             uses: Mutex::new(Uses::default()),
-            cached: Mutex::new((GENERATION.load(Ordering::Acquire), rule)),
+            cached: AtomicU64::new(pack(GENERATION.load(Ordering::Acquire), rule)),
         }
     }
 
     /// The device's rule now.
     pub(crate) fn rule(&self) -> StreamOrdering {
         let generation = GENERATION.load(Ordering::Acquire);
-        let mut cached = self.cached.lock().unwrap_or_else(|e| e.into_inner());
-        if cached.0 != generation {
-            *cached = (generation, stream_ordering(self.platform, self.device));
+        let cached = self.cached.load(Ordering::Acquire);
+        if cached >> 2 == generation & (u64::MAX >> 2) {
+            return StreamOrdering::from_code(cached & 3);
         }
-        cached.1
+        // Read after the generation: a setting made since is picked up at the next call at the
+        // latest (its bump makes the generation differ again).
+        let rule = stream_ordering(self.platform, self.device);
+        self.cached.store(pack(generation, rule), Ordering::Release);
+        rule
     }
 
     /// The tracked uses.

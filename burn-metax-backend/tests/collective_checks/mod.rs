@@ -10,6 +10,28 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor, TensorData, bf16, f16};
 use burn_fsdp::comm::{CollectiveKind, ProcessGroup, ReduceOp, Tag};
 
+/// Runs `f` on `world` threads, one per rank: rank `r` joins its group with `join(r)` (the
+/// group and its device) and then runs `f` on them. Every rank's result, in rank order; a
+/// rank's panic is raised again here.
+pub fn run_ranks<G, D: Send, T: Send>(
+    world: usize,
+    join: impl Fn(usize) -> (G, D) + Sync,
+    f: impl Fn(&G, D) -> T + Sync,
+) -> Vec<T> {
+    let (join, f) = (&join, &f);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                s.spawn(move || {
+                    let (group, device) = join(rank);
+                    f(&group, device)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+    })
+}
+
 /// Element `i` of rank `r`'s input.
 pub fn value(r: usize, i: usize) -> f64 {
     (((i * 7 + r * 13) % 61) as f64 - 30.0) * 0.25
