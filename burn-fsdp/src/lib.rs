@@ -73,8 +73,8 @@ pub use comm::local::{LocalGroup, launch};
 pub use comm::mesh::DeviceMesh;
 pub use comm::{CollectiveFailure, CollectiveKind, CommError, CommStats, ProcessGroup, ReduceOp, Tag};
 pub use fsdp::{
-    Fsdp, FsdpConfig, FsdpError, FsdpEvalRunner, FsdpRunner, MixedPrecisionPolicy, StepParts, StepReport,
-    UnitPolicy, catch_collective_failures, take_step,
+    Fsdp, FsdpConfig, FsdpError, FsdpEvalRunner, FsdpRunner, GradientsAndSqSum, MixedPrecisionPolicy,
+    StepParts, StepReport, StepValue, UnitPolicy, catch_collective_failures, take_step,
 };
 pub use hooks::{ModuleHooks, NoHooks};
 pub use host_memory::retain_host_memory;

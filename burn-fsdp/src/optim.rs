@@ -305,6 +305,17 @@ pub fn grad_sq_sum_split<AB: AutodiffBackend, M: AutodiffModule<AB>>(
     grads: &GradientsParams,
     first: impl Fn(burn::module::ParamId) -> bool,
 ) -> (f64, f64) {
+    let [a, b] = grad_sq_sum_tensors(module, grads, first);
+    (a.map(|t| t.into_scalar_f64()).unwrap_or(0.0), b.map(|t| t.into_scalar_f64()).unwrap_or(0.0))
+}
+
+/// [`grad_sq_sum_split`]'s two sums as one-element tensors on the device, not read (`None`
+/// where no gradient falls in the part): `Σ g²` in the gradients' dtype.
+pub fn grad_sq_sum_tensors<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+    module: &M,
+    grads: &GradientsParams,
+    first: impl Fn(burn::module::ParamId) -> bool,
+) -> [Option<Tensor<AB::InnerBackend, 1>>; 2] {
     struct SqSum<'a, B: Backend, F> {
         grads: &'a GradientsParams,
         first: F,
@@ -328,8 +339,20 @@ pub fn grad_sq_sum_split<AB: AutodiffBackend, M: AutodiffModule<AB>>(
     }
     let mut v = SqSum::<AB::InnerBackend, _> { grads, first, totals: [None, None], squares: Vec::new() };
     module.visit(&mut v);
-    let [a, b] = v.totals;
-    (a.map(|t| t.into_scalar_f64()).unwrap_or(0.0), b.map(|t| t.into_scalar_f64()).unwrap_or(0.0))
+    v.totals
+}
+
+/// `Σ g²` of every gradient of `module` in `grads` (single device) as a one-element tensor
+/// (in the gradients' dtype) on the device, not read (`None` without gradients); the gradients are put in
+/// standard layout first, as [`clip_grad_norm`] does. Its square root is the norm
+/// [`clip_grad_norm`] returns, bit for bit.
+pub fn grad_sq_sum_device<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+    module: &M,
+    grads: &mut GradientsParams,
+) -> Option<Tensor<AB::InnerBackend, 1>> {
+    standard_layout_grads(module, grads);
+    let [all, _] = grad_sq_sum_tensors(module, grads, |_| true);
+    all
 }
 
 /// Global L2 norm of all gradients of `module` (single device).

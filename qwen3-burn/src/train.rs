@@ -12,7 +12,7 @@ use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{
-    DType, ElementConversion, IndexingUpdateOp, Int, Tensor, TensorData, TensorMetadata, TensorPrimitive,
+    DType, IndexingUpdateOp, Int, Shape, Tensor, TensorData, TensorMetadata, TensorPrimitive,
 };
 
 use crate::checkpoint::SafetensorsFile;
@@ -359,21 +359,24 @@ impl<B: Backend> Backward<B, 1> for Deferred {
     type State = DeferredGradient<B>;
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
-        let g = incoming_scalar::<B>(grads.consume::<B>(&ops.node));
+        let g = grads.consume::<B>(&ops.node);
         let [Some(parent)] = &ops.parents else { return };
         let Some(grad) = ops.state.take() else { return };
-        grads.register::<B>(parent.id, scaled::<B>(grad, g));
+        grads.register::<B>(parent.id, scaled::<B>(grad, &g));
     }
 }
 
-/// A `[1]` incoming gradient as a scalar.
-fn incoming_scalar<B: Backend>(incoming: FloatTensor<B>) -> f64 {
-    Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(incoming)).into_scalar().elem::<f64>()
-}
-
-/// `grad · g`; `x · 1 = x` exactly, so the common case (no scaling) hands the buffer over as is.
-fn scaled<B: Backend>(grad: FloatTensor<B>, g: f64) -> FloatTensor<B> {
-    if g == 1.0 { grad } else { B::float_mul_scalar(grad, g.into()) }
+/// `grad · incoming`, `incoming` a one-element gradient, on the device: the incoming gradient
+/// is not read, so the backward never waits for the device (a read here was a host sync per
+/// micro-batch). The product is the one `grad · g` with `g` read gave: the same `f32` (or
+/// `grad`'s dtype) multiplication, element by element.
+fn scaled<B: Backend>(grad: FloatTensor<B>, incoming: &FloatTensor<B>) -> FloatTensor<B> {
+    let dtype = grad.dtype();
+    let mut g = B::float_reshape(incoming.clone(), Shape::from(vec![1usize; grad.shape().num_dims()]));
+    if g.dtype() != dtype {
+        g = B::float_cast(g, dtype.into());
+    }
+    B::float_mul(grad, g)
 }
 
 /// Backward of [`LossBackend::precomputed_loss`]: its state is the gradients.
@@ -384,10 +387,10 @@ impl<B: Backend> Backward<B, 2> for PrecomputedLoss {
     type State = [Option<FloatTensor<B>>; 2];
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
-        let g = incoming_scalar::<B>(grads.consume::<B>(&ops.node));
+        let g = grads.consume::<B>(&ops.node);
         for (parent, grad) in ops.parents.iter().zip(ops.state) {
             let (Some(parent), Some(grad)) = (parent, grad) else { continue };
-            grads.register::<B>(parent.id, scaled::<B>(grad, g));
+            grads.register::<B>(parent.id, scaled::<B>(grad, &g));
         }
     }
 }
@@ -506,7 +509,32 @@ mod tests {
     use burn::backend::{Flex, NdArray};
     use burn::tensor::{Distribution, Tensor, TensorPrimitive};
 
-    use super::add_rows;
+    use super::{add_rows, scaled};
+
+    /// `scaled` multiplies by the one-element incoming gradient on the device; the product is
+    /// bit for bit the one of `mul_scalar` with that gradient read first (what the backward did
+    /// before it stopped reading), on both CPU backends, for the incoming gradients a loop makes
+    /// (1, and 1 / micro-batches).
+    #[test]
+    fn scaling_by_the_incoming_gradient_on_the_device_matches_the_read_scalar_bit_for_bit() {
+        fn check<B: burn::tensor::backend::Backend>() {
+            let device = Default::default();
+            for g in [1.0f32, 0.5, 1.0 / 3.0, 0.25, 1.0 / 7.0] {
+                let grad = Tensor::<B, 2>::random([37, 19], Distribution::Normal(0.0, 3.0), &device);
+                let incoming = Tensor::<B, 1>::from_floats([g], &device);
+                let want = grad.clone().mul_scalar(g).into_data();
+                let got = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(scaled::<B>(
+                    grad.into_primitive().tensor(),
+                    &incoming.into_primitive().tensor(),
+                )))
+                .into_data();
+                let (want, got) = (want.to_vec::<f32>().unwrap(), got.to_vec::<f32>().unwrap());
+                assert!(want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()), "g = {g}");
+            }
+        }
+        check::<Flex>();
+        check::<NdArray>();
+    }
 
     fn bytes_at(t: &Tensor<Flex, 2>) -> usize {
         match t.clone().into_primitive() {

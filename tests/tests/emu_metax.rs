@@ -158,7 +158,7 @@ fn step_profile_child() {
 /// with device collectives no collective copies a byte through the host, where host collectives
 /// (the "before" column, measured in the same run) copy megabytes — so the counter sees such
 /// bytes when there are any; and ordering by need makes far fewer cross-stream waits than the
-/// all-streams rule.
+/// all-streams rule; and a step waits on the host for the device once.
 #[test]
 fn the_step_profile_counts_no_collective_byte_through_the_host() {
     let out = std::process::Command::new(std::env::current_exe().unwrap())
@@ -187,4 +187,13 @@ fn the_step_profile_counts_no_collective_byte_through_the_host() {
         "cross-stream waits per collective: {after} by need, {before} all streams"
     );
     assert!(figure("w4_launches_per_step") > 0.0 && figure("w1_launches_per_step") > 0.0);
+    // One host sync per step: the step's single read of its losses and norm (take_step). The
+    // launches' staging buffers are released without waiting, and the loss's backward does not
+    // read its incoming gradient; a wait or read added back inside the step fails this.
+    for w in ["w1", "w4"] {
+        let syncs = figure(&format!("{w}_host_syncs_per_step"));
+        assert!(syncs <= 1.0, "{w}: {syncs} host syncs per step, over the target of 1");
+    }
+    // The counter sees the syncs there are: host collectives read every gradient back.
+    assert!(figure("w4_before_host_syncs_per_step") > 10.0);
 }

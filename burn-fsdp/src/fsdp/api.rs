@@ -23,7 +23,7 @@ use crate::fsdp::prefetch::{Alias, PrefetchStats, Prefetcher};
 use crate::fsdp::scope::{self, UnitHost, Views, run_unit};
 use crate::fsdp::view::{ParamView, ViewGroup};
 use crate::optim::{
-    TorchAdamW, clip_coefficient, grad_sq_sum, grad_sq_sum_split, scale_grads, standard_layout_grads,
+    TorchAdamW, clip_coefficient, grad_sq_sum_split, grad_sq_sum_tensors, scale_grads, standard_layout_grads,
 };
 use crate::runner::UnitRunner;
 use crate::walk::deferred_shape;
@@ -41,7 +41,9 @@ pub use forward::FsdpRunner;
 use forward::{collect_shards, unit_shards};
 use state::Unsharder;
 use step::ElemF64;
-pub use train_step::{StepParts, StepReport, catch_collective_failures, take_step};
+pub use train_step::{
+    GradientsAndSqSum, StepParts, StepReport, StepValue, catch_collective_failures, take_step,
+};
 
 /// Which parameters form a unit (one all-gather, one reduce-scatter).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -442,6 +444,28 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         if let Some(p) = &self.prefetch {
             p.quiesce();
         }
+    }
+
+    /// `values` reduced elementwise over the data-parallel ranks (the shard group, then the
+    /// replicas under HSDP), on the device: nothing is read. `None` on a single rank.
+    ///
+    /// # Errors
+    /// A failed collective.
+    pub fn all_reduce_data_parallel(
+        &self,
+        values: Tensor<B::InnerBackend, 1>,
+        op: ReduceOp,
+        tag: &str,
+    ) -> Result<Option<Tensor<B::InnerBackend, 1>>, FsdpError> {
+        if self.world() == 1 && self.replicate_group().is_none_or(|g| g.size() == 1) {
+            return Ok(None);
+        }
+        self.quiesce();
+        let mut r = self.shard_group().all_reduce(values, op, &Tag::new(tag))?;
+        if let Some(rep) = self.replicate_group() {
+            r = rep.all_reduce(r, op, &Tag::new(format!("{tag}:replicas")))?;
+        }
+        Ok(Some(r))
     }
 
     /// All-reduces one number over the data-parallel group.

@@ -141,6 +141,10 @@ pub struct EmuCounters {
     /// copies and `mcFree` (which waits for the device). A read of device memory by the host is
     /// an asynchronous copy and one such wait.
     pub host_syncs: u64,
+    /// Blocking waits on the device by a thread that queues no device work — CubeCL's collector
+    /// of buffers shared between streams ([`in_background`]). They stall no stream and no thread
+    /// that queues work, so they are counted apart from `host_syncs`.
+    pub background_waits: u64,
     /// Waits of one of the device's streams for an event recorded on another stream.
     pub cross_stream_waits: u64,
     /// Bytes copied from the host to the device.
@@ -155,6 +159,7 @@ impl EmuCounters {
         Self {
             launches: self.launches.saturating_sub(earlier.launches),
             host_syncs: self.host_syncs.saturating_sub(earlier.host_syncs),
+            background_waits: self.background_waits.saturating_sub(earlier.background_waits),
             cross_stream_waits: self.cross_stream_waits.saturating_sub(earlier.cross_stream_waits),
             host_to_device_bytes: self.host_to_device_bytes.saturating_sub(earlier.host_to_device_bytes),
             device_to_host_bytes: self.device_to_host_bytes.saturating_sub(earlier.device_to_host_bytes),
@@ -166,6 +171,7 @@ impl EmuCounters {
         Self {
             launches: self.launches + other.launches,
             host_syncs: self.host_syncs + other.host_syncs,
+            background_waits: self.background_waits + other.background_waits,
             cross_stream_waits: self.cross_stream_waits + other.cross_stream_waits,
             host_to_device_bytes: self.host_to_device_bytes + other.host_to_device_bytes,
             device_to_host_bytes: self.device_to_host_bytes + other.device_to_host_bytes,
@@ -178,9 +184,25 @@ impl EmuCounters {
 struct Counters {
     launches: AtomicU64,
     host_syncs: AtomicU64,
+    background_waits: AtomicU64,
     cross_stream_waits: AtomicU64,
     host_to_device_bytes: AtomicU64,
     device_to_host_bytes: AtomicU64,
+}
+
+thread_local! {
+    /// Whether this thread is inside [`in_background`].
+    static BACKGROUND: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` as a background waiter: the emulated devices count its blocking waits as
+/// `background_waits`, not `host_syncs` ([`EmuCounters`]). For threads that queue no device work
+/// and only wait to release memory (the runtime's collector of buffers shared between streams).
+pub(crate) fn in_background<T>(f: impl FnOnce() -> T) -> T {
+    let before = BACKGROUND.with(|b| b.replace(true));
+    let out = f();
+    BACKGROUND.with(|b| b.set(before));
+    out
 }
 
 impl Counters {
@@ -188,10 +210,18 @@ impl Counters {
         counter.fetch_add(n, Ordering::Relaxed);
     }
 
+    /// One blocking host wait by the calling thread: a host sync, or a background wait inside
+    /// [`in_background`].
+    fn host_sync(&self) {
+        let background = BACKGROUND.with(std::cell::Cell::get);
+        Self::add(if background { &self.background_waits } else { &self.host_syncs }, 1);
+    }
+
     fn snapshot(&self) -> EmuCounters {
         EmuCounters {
             launches: self.launches.load(Ordering::Relaxed),
             host_syncs: self.host_syncs.load(Ordering::Relaxed),
+            background_waits: self.background_waits.load(Ordering::Relaxed),
             cross_stream_waits: self.cross_stream_waits.load(Ordering::Relaxed),
             host_to_device_bytes: self.host_to_device_bytes.load(Ordering::Relaxed),
             device_to_host_bytes: self.device_to_host_bytes.load(Ordering::Relaxed),
@@ -443,10 +473,10 @@ impl EmuDriver {
         self.devices.iter().find(|d| d.memory.owns(ptr))
     }
 
-    /// Adds `n` to a counter of the device that owns `ptr`.
-    fn count_copy(&self, ptr: usize, counter: impl Fn(&Counters) -> &AtomicU64, n: usize) {
+    /// Counts with `count` on the counters of the device that owns `ptr`.
+    fn count_on_owner(&self, ptr: usize, count: impl FnOnce(&Counters)) {
         if let Some(device) = self.device_owning(ptr) {
-            Counters::add(counter(&device.counters), n as u64);
+            count(&device.counters);
         }
     }
 
@@ -500,7 +530,7 @@ impl Driver for EmuDriver {
 
     fn device_synchronize(&self) -> Result<()> {
         let device = self.current()?.clone();
-        Counters::add(&device.counters.host_syncs, 1);
+        device.counters.host_sync();
         self.drain_device(&device, "mcDeviceSynchronize")
     }
 
@@ -526,7 +556,7 @@ impl Driver for EmuDriver {
     unsafe fn free(&self, ptr: DevicePtr) -> Result<()> {
         // Like `mcFree`, freeing first waits for the device, so no queued work can still use it.
         let device = self.device_owning(ptr.as_raw()).ok_or_else(|| api("mcFree", 17))?.clone();
-        Counters::add(&device.counters.host_syncs, 1);
+        device.counters.host_sync();
         let _ = self.drain_device(&device, "mcFree");
         // SAFETY: every stream of the device has passed the work queued before this call, and
         // the caller guarantees no later work uses `ptr`.
@@ -563,7 +593,7 @@ impl Driver for EmuDriver {
         stream: StreamHandle,
     ) -> Result<()> {
         self.check_device_range("mcMemcpyAsync", dst.as_raw(), len)?;
-        self.count_copy(dst.as_raw(), |c| &c.host_to_device_bytes, len);
+        self.count_on_owner(dst.as_raw(), |c| Counters::add(&c.host_to_device_bytes, len as u64));
         self.queue_copy(dst.as_raw(), src as usize, len, stream)
     }
 
@@ -575,7 +605,7 @@ impl Driver for EmuDriver {
         stream: StreamHandle,
     ) -> Result<()> {
         self.check_device_range("mcMemcpyAsync", src.as_raw(), len)?;
-        self.count_copy(src.as_raw(), |c| &c.device_to_host_bytes, len);
+        self.count_on_owner(src.as_raw(), |c| Counters::add(&c.device_to_host_bytes, len as u64));
         self.queue_copy(dst as usize, src.as_raw(), len, stream)
     }
 
@@ -595,16 +625,16 @@ impl Driver for EmuDriver {
         // Legacy default stream: ordered after that stream's own work only, not after the
         // non-blocking streams'.
         self.check_device_range("mcMemcpy", dst.as_raw(), src.len())?;
-        self.count_copy(dst.as_raw(), |c| &c.host_to_device_bytes, src.len());
-        self.count_copy(dst.as_raw(), |c| &c.host_syncs, 1);
+        self.count_on_owner(dst.as_raw(), |c| Counters::add(&c.host_to_device_bytes, src.len() as u64));
+        self.count_on_owner(dst.as_raw(), Counters::host_sync);
         self.queue_copy(dst.as_raw(), src.as_ptr() as usize, src.len(), StreamHandle::DEFAULT)?;
         self.drain(&*self.stream(StreamHandle::DEFAULT)?, "mcMemcpy")
     }
 
     unsafe fn memcpy_dtoh(&self, dst: &mut [u8], src: DevicePtr) -> Result<()> {
         self.check_device_range("mcMemcpy", src.as_raw(), dst.len())?;
-        self.count_copy(src.as_raw(), |c| &c.device_to_host_bytes, dst.len());
-        self.count_copy(src.as_raw(), |c| &c.host_syncs, 1);
+        self.count_on_owner(src.as_raw(), |c| Counters::add(&c.device_to_host_bytes, dst.len() as u64));
+        self.count_on_owner(src.as_raw(), Counters::host_sync);
         self.queue_copy(dst.as_mut_ptr() as usize, src.as_raw(), dst.len(), StreamHandle::DEFAULT)?;
         self.drain(&*self.stream(StreamHandle::DEFAULT)?, "mcMemcpy")
     }
@@ -631,7 +661,7 @@ impl Driver for EmuDriver {
 
     fn stream_synchronize(&self, stream: StreamHandle) -> Result<()> {
         let stream = self.stream(stream)?;
-        Counters::add(&stream.device.counters.host_syncs, 1);
+        stream.device.counters.host_sync();
         self.drain(&stream, "mcStreamSynchronize")
     }
 
@@ -676,7 +706,7 @@ impl Driver for EmuDriver {
         let event = self.event(event)?;
         let device = event.device().unwrap_or_else(|| self.current_device());
         if let Some(device) = self.devices.get(device) {
-            Counters::add(&device.counters.host_syncs, 1);
+            device.counters.host_sync();
         }
         if !event.wait(event.latest(), self.config.wait_timeout) {
             return Err(DriverError::Timeout {

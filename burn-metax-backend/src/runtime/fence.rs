@@ -4,7 +4,6 @@ use std::sync::Arc;
 
 use cubecl_common::backtrace::BackTrace;
 use cubecl_core::server::ServerError;
-use cubecl_runtime::memory_management::drop_queue;
 
 use crate::driver::{Driver, DriverError, EventHandle, StreamHandle};
 
@@ -48,6 +47,23 @@ impl Fence {
         let _ = self.driver.event_destroy(event);
     }
 
+    /// Whether the fence's work has completed, without waiting (`mcEventQuery`). A fence that
+    /// could not be recorded, or whose query fails, counts as reached: the device is broken and
+    /// [`Fence::wait_sync`] returns at once with the error.
+    pub(crate) fn reached(&self) -> bool {
+        match &self.event {
+            Ok(event) => self.driver.event_query(*event).unwrap_or(true),
+            Err(_) => true,
+        }
+    }
+
+    /// Destroys the event of a fence that [`Fence::reached`] (no wait).
+    pub(crate) fn release(self) {
+        if let Ok(event) = self.event {
+            let _ = self.driver.event_destroy(event);
+        }
+    }
+
     /// Blocks the calling thread until the fence's work has completed, then destroys the event.
     pub(crate) fn wait_sync(self) -> Result<(), ServerError> {
         let event = self.event.map_err(server_error)?;
@@ -55,13 +71,6 @@ impl Fence {
         let destroyed = self.driver.event_destroy(event);
         synced.map_err(server_error)?;
         destroyed.map_err(server_error)
-    }
-}
-
-impl drop_queue::Fence for Fence {
-    fn sync(self) {
-        // Errors surface on the stream's next synchronising operation.
-        let _ = self.wait_sync();
     }
 }
 

@@ -21,6 +21,7 @@ mod order;
 mod platform;
 pub mod registry;
 pub mod server;
+mod staging;
 mod storage;
 mod stream;
 mod transfer;

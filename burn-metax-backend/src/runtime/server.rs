@@ -334,10 +334,10 @@ impl<P: Platform> GpuServer<P> {
         // and the info pointer last, matching `resources`.
         unsafe { self.kernels.launch(&loaded, grid, current.handle, &resources)? };
         order_after(&self.order, current.handle, &ranges);
-        if current.drop_queue.should_flush() {
+        if current.staging.batch_full() {
             let driver = self.driver.clone();
             let handle = current.handle;
-            current.drop_queue.flush(|| Fence::new(driver.clone(), handle));
+            current.staging.seal(|| Fence::new(driver.clone(), handle));
         }
         Ok(())
     }
@@ -446,7 +446,7 @@ fn queue_htod(
         unsafe { driver.memcpy_htod_async(dst, data.as_ptr(), data.len(), stream.handle) }
             .map_err(|e| IoError::Execution(Box::new(server_error(e))))?;
     }
-    stream.drop_queue.push(data);
+    stream.staging.push(data);
     Ok(())
 }
 
@@ -779,7 +779,7 @@ impl<P: Platform> ComputeServer for GpuServer<P> {
         let current = streams.current();
         let driver = self.driver.clone();
         let handle = current.handle;
-        current.drop_queue.flush(|| Fence::new(driver.clone(), handle));
+        current.staging.seal(|| Fence::new(driver, handle));
         current.memory_gpu.storage().flush();
         Ok(())
     }

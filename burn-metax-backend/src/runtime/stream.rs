@@ -8,12 +8,12 @@ use cubecl_core::MemoryConfiguration;
 use cubecl_core::ir::MemoryDeviceProperties;
 use cubecl_core::server::{Binding, ServerError};
 use cubecl_runtime::logging::ServerLogger;
-use cubecl_runtime::memory_management::drop_queue::{FlushingPolicy, PendingDropQueue};
 use cubecl_runtime::memory_management::{MemoryAllocationMode, MemoryManagement, MemoryManagementOptions};
 use cubecl_runtime::stream::EventStreamBackend;
 
 use super::fence::Fence;
 use super::order::DeviceOrder;
+use super::staging::StagingQueue;
 use super::storage::{GpuStorage, PINNED_MEMORY_ALIGNMENT, PinnedStorage};
 use crate::driver::{Driver, StreamHandle};
 
@@ -23,7 +23,7 @@ pub struct GpuStream {
     pub(crate) memory_gpu: MemoryManagement<GpuStorage>,
     pub(crate) memory_cpu: MemoryManagement<PinnedStorage>,
     pub(crate) errors: Vec<ServerError>,
-    pub(crate) drop_queue: PendingDropQueue<Fence>,
+    pub(crate) staging: StagingQueue,
 }
 
 impl std::fmt::Debug for GpuStream {
@@ -98,13 +98,7 @@ impl EventStreamBackend for GpuStreamBackend {
             self.logger.clone(),
             MemoryManagementOptions::new("Pinned host memory").mode(MemoryAllocationMode::Auto),
         );
-        GpuStream {
-            handle,
-            memory_gpu,
-            memory_cpu,
-            errors,
-            drop_queue: PendingDropQueue::new(FlushingPolicy::default()),
-        }
+        GpuStream { handle, memory_gpu, memory_cpu, errors, staging: StagingQueue::default() }
     }
 
     fn flush(stream: &mut GpuStream) -> Fence {
@@ -120,7 +114,9 @@ impl EventStreamBackend for GpuStreamBackend {
         // (then the server panics on its next hand-off to that thread). A failed wait means the
         // device is broken (e.g. poisoned); the streams report that error themselves, so the
         // collector just proceeds.
-        let _ = event.wait_sync();
+        // It queues no device work, so its waits stall nothing: the emulated device counts them
+        // apart from the host syncs of the threads that queue work.
+        let _ = crate::emu::in_background(|| event.wait_sync());
         Ok(())
     }
 

@@ -9,13 +9,13 @@ use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::Backend;
-use burn::tensor::{ElementConversion, Int, Tensor};
+use burn::tensor::{Int, Tensor};
 use burn_fsdp::activation_checkpointing::checkpointed;
+use burn_fsdp::optim::{clip_coefficient, grad_sq_sum_device, scale_grads};
 use burn_fsdp::prefetch::PrefetchStats;
 use burn_fsdp::tp::TensorParallel;
 use burn_fsdp::{
-    CollectiveKind, CommStats, DeviceMesh, Direct, Fsdp, ProcessGroup, ReduceOp, Tag, TorchAdamW,
-    clip_grad_norm,
+    CollectiveKind, CommStats, DeviceMesh, Direct, Fsdp, ProcessGroup, ReduceOp, StepValue, Tag, TorchAdamW,
 };
 
 use super::{InitialWeights, Parallelism, RankGroups, Topology, TrainError, TrainOptions};
@@ -114,7 +114,8 @@ impl<B: Backend, C: CheckpointStrategy> Engine<B, C> {
     }
 
     /// Forward and backward of one micro-batch of token rows `[rows, seq + 1]`, the
-    /// `index`-th of `micro`; returns its loss (divided by `micro`, as its gradients).
+    /// `index`-th of `micro`; returns its loss (divided by `micro`, as its gradients) as a
+    /// one-element tensor, not read (the step reads its values once, [`burn_fsdp::take_step`]).
     pub fn micro_batch(
         &mut self,
         tokens: Tensor<Ad<B, C>, 2, Int>,
@@ -122,7 +123,7 @@ impl<B: Backend, C: CheckpointStrategy> Engine<B, C> {
         micro: usize,
         chunk: usize,
         activation_checkpointing: bool,
-    ) -> Result<f64, TrainError> {
+    ) -> Result<Tensor<B, 1>, TrainError> {
         let (inputs, labels) = inputs_and_labels(tokens);
         let scale = micro as f64;
         match self {
@@ -133,10 +134,10 @@ impl<B: Backend, C: CheckpointStrategy> Engine<B, C> {
                 };
                 let (loss, grads) = if activation_checkpointing {
                     let run = checkpointed(|runner| loss_of(&mut |ids| model.hidden_with(ids, runner)));
-                    (run.loss().into_scalar().elem::<f64>(), run.gradients(&**model))
+                    (run.loss().inner(), run.gradients(&**model))
                 } else {
                     let loss = loss_of(&mut |ids| model.hidden_with(ids, &mut Direct));
-                    let value = loss.clone().into_scalar().elem::<f64>();
+                    let value = loss.clone().inner();
                     (value, GradientsParams::from_grads(loss.backward(), &**model))
                 };
                 accum.accumulate(&**model, grads);
@@ -158,7 +159,7 @@ impl<B: Backend, C: CheckpointStrategy> Engine<B, C> {
                         let run = fsdp.forward_checkpointed(|model, runner| {
                             loss_of(model, model.hidden_with(inputs, runner))
                         });
-                        let loss = run.loss().into_scalar().elem::<f64>();
+                        let loss = run.loss().inner();
                         backward_gate()?;
                         (loss, fsdp.backward_checkpointed(run))
                     }
@@ -170,7 +171,7 @@ impl<B: Backend, C: CheckpointStrategy> Engine<B, C> {
                             };
                             loss_of(model, hidden)
                         });
-                        let value = loss.clone().into_scalar().elem::<f64>();
+                        let value = loss.clone().inner();
                         backward_gate()?;
                         (value, fsdp.gradients(loss.backward()))
                     }
@@ -181,14 +182,17 @@ impl<B: Backend, C: CheckpointStrategy> Engine<B, C> {
         }
     }
 
-    /// The step's gradients (all micro-batches'), clipped to the global L2 norm `max_norm`
-    /// (≤ 0: only measured), with that norm before clipping.
-    pub fn clipped_gradients(&mut self, max_norm: f64) -> Result<(GradientsParams, f64), TrainError> {
+    /// The step's gradients (all micro-batches') and their global `Σ g²`, left on the device
+    /// where it can be ([`StepValue`]).
+    pub fn gradients(&mut self) -> Result<(GradientsParams, StepValue<B>), TrainError> {
         match self {
             Self::Single { model, accum } => {
                 let mut grads = std::mem::replace(accum, GradientsAccumulator::new()).grads();
-                let norm = clip_grad_norm(&**model, &mut grads, max_norm);
-                Ok((grads, norm))
+                let sq_sum = match grad_sq_sum_device(&**model, &mut grads) {
+                    Some(t) => StepValue::Pending(t),
+                    None => StepValue::Read(0.0),
+                };
+                Ok((grads, sq_sum))
             }
             Self::Sharded(s) => {
                 let mut grads =
@@ -196,17 +200,36 @@ impl<B: Backend, C: CheckpointStrategy> Engine<B, C> {
                 if let Some(tp) = &s.tp {
                     tp.reduce_partial_grads::<Ad<B, C>, _>(s.fsdp.module(), &mut grads)?;
                 }
-                let norm = s.fsdp.clip_grad_norm(&mut grads, max_norm)?;
-                Ok((grads, norm))
+                let sq_sum = s.fsdp.grad_sq_sum(&mut grads)?;
+                Ok((grads, sq_sum))
             }
         }
     }
 
-    /// `value` reduced over the data-parallel ranks (itself on one device).
-    pub fn all_reduce_scalar(&self, value: f64, op: ReduceOp, tag: &str) -> Result<f64, TrainError> {
+    /// Scales `grads` to the global L2 norm `max_norm`, their norm being `norm`.
+    pub fn clip(&self, grads: &mut GradientsParams, norm: f64, max_norm: f64) -> Result<(), TrainError> {
         match self {
-            Self::Single { .. } => Ok(value),
-            Self::Sharded(s) => Ok(s.fsdp.all_reduce_scalar(value, op, tag)?),
+            Self::Single { model, .. } => {
+                let coef = clip_coefficient(norm, max_norm);
+                if max_norm.is_finite() && max_norm > 0.0 && coef < 1.0 {
+                    scale_grads(&**model, grads, coef);
+                }
+                Ok(())
+            }
+            Self::Sharded(s) => Ok(s.fsdp.clip_grads(grads, norm, max_norm)?),
+        }
+    }
+
+    /// `values` reduced over the data-parallel ranks, on the device; `None` on one device.
+    pub fn all_reduce(
+        &self,
+        values: Tensor<B, 1>,
+        op: ReduceOp,
+        tag: &str,
+    ) -> Result<Option<Tensor<B, 1>>, TrainError> {
+        match self {
+            Self::Single { .. } => Ok(None),
+            Self::Sharded(s) => Ok(s.fsdp.all_reduce_data_parallel(values, op, tag)?),
         }
     }
 

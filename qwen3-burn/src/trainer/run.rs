@@ -10,9 +10,9 @@ use burn::backend::autodiff::checkpoint::strategy::{
     BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
 };
 use burn::optim::GradientsParams;
-use burn::tensor::TensorData;
 use burn::tensor::backend::Backend;
-use burn_fsdp::{ReduceOp, StepParts, StepReport, take_step};
+use burn::tensor::{Tensor, TensorData};
+use burn_fsdp::{ReduceOp, StepParts, StepReport, StepValue, take_step};
 
 use super::engine::{Engine, Placement};
 use super::{
@@ -238,20 +238,30 @@ struct StepOf<'a, B: Backend, C: CheckpointStrategy> {
 impl<B: Backend, C: CheckpointStrategy> StepParts for StepOf<'_, B, C> {
     type Gradients = GradientsParams;
     type Error = TrainError;
+    type Backend = B;
 
-    fn micro_batch(&mut self, index: usize, count: usize) -> Result<f64, TrainError> {
+    fn micro_batch(&mut self, index: usize, count: usize) -> Result<Tensor<B, 1>, TrainError> {
         let per_micro = self.rows.len() / count;
         let first = self.rows.start + index * per_micro;
         let tokens = self.batches.rows(self.step, first..first + per_micro, self.device);
         self.engine.micro_batch(tokens, index, count, self.chunk, self.activation_checkpointing)
     }
 
-    fn clipped_gradients(&mut self, max_norm: f64) -> Result<(GradientsParams, f64), TrainError> {
-        self.engine.clipped_gradients(max_norm)
+    fn gradients(&mut self) -> Result<(GradientsParams, StepValue<B>), TrainError> {
+        self.engine.gradients()
     }
 
-    fn all_reduce_scalar(&self, value: f64, op: ReduceOp, tag: &str) -> Result<f64, TrainError> {
-        self.engine.all_reduce_scalar(value, op, tag)
+    fn clip(&mut self, grads: &mut GradientsParams, norm: f64, max_norm: f64) -> Result<(), TrainError> {
+        self.engine.clip(grads, norm, max_norm)
+    }
+
+    fn all_reduce(
+        &self,
+        values: Tensor<B, 1>,
+        op: ReduceOp,
+        tag: &str,
+    ) -> Result<Option<Tensor<B, 1>>, TrainError> {
+        self.engine.all_reduce(values, op, tag)
     }
 
     fn data_parallel(&self) -> (usize, usize) {

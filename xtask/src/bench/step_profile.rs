@@ -180,6 +180,7 @@ fn run(config: &Config, steps: usize) -> Result<Totals> {
 struct PerStep {
     launches: f64,
     host_syncs: f64,
+    background_waits: f64,
     cross_stream_waits: f64,
     collectives: f64,
     collective_host_bytes: f64,
@@ -194,6 +195,7 @@ fn per_step(config: &Config, steps: usize) -> Result<PerStep> {
     Ok(PerStep {
         launches: per(d.launches),
         host_syncs: per(d.host_syncs),
+        background_waits: per(d.background_waits),
         cross_stream_waits: per(d.cross_stream_waits),
         collectives: per(long.collectives.saturating_sub(short.collectives)),
         collective_host_bytes: per(long.collective_host_bytes.saturating_sub(short.collective_host_bytes)),
@@ -225,6 +227,7 @@ pub fn figures(steps: usize) -> Result<Vec<(String, f64)>> {
     };
     row("kernel launches", &|p| p.launches);
     row("host syncs", &|p| p.host_syncs);
+    row("background waits (no stream or issuing thread stalls)", &|p| p.background_waits);
     row("cross-stream waits", &|p| p.cross_stream_waits);
     row("collectives", &|p| p.collectives);
     row("collective host bytes", &|p| p.collective_host_bytes);
@@ -234,6 +237,8 @@ pub fn figures(steps: usize) -> Result<Vec<(String, f64)>> {
         ("w4_launches_per_step".into(), after.launches),
         ("w1_host_syncs_per_step".into(), w1.host_syncs),
         ("w4_host_syncs_per_step".into(), after.host_syncs),
+        ("w1_background_waits_per_step".into(), w1.background_waits),
+        ("w4_background_waits_per_step".into(), after.background_waits),
         ("w4_collective_host_bytes_per_step".into(), after.collective_host_bytes),
         ("w4_cross_stream_waits_per_collective".into(), waits_per_collective(&after)),
         ("w4_before_host_syncs_per_step".into(), before.host_syncs),

@@ -122,31 +122,64 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     where
         M: AutodiffModule<B>,
     {
+        let norm = match self.grad_sq_sum(grads)? {
+            StepValue::Pending(t) => t.into_scalar().elem_f64(),
+            StepValue::Read(v) => v,
+        }
+        .sqrt();
+        self.clip_grads(grads, norm, max_norm)?;
+        Ok(norm)
+    }
+
+    /// The global squared L2 norm `Σ g²` of all gradients over all ranks, as
+    /// [`clip_grad_norm`](Self::clip_grad_norm) measures it, left on the device where it can
+    /// be (a one-element `f32` tensor after one all-reduce over the shard group): read it
+    /// together with the step's other values ([`take_step`]). With CPU offload it is summed on
+    /// the host, and on a tensor-parallel mesh it is read between the dp and tp all-reduces.
+    pub fn grad_sq_sum(&self, grads: &mut GradientsParams) -> Result<StepValue<B::InnerBackend>, FsdpError>
+    where
+        M: AutodiffModule<B>,
+    {
         if let Some(tp) = self.mesh.tensor_parallel() {
-            return self.clip_grad_norm_tp(grads, max_norm, tp);
+            return self.grad_sq_sum_tp(grads, tp).map(StepValue::Read);
         }
         self.quiesce();
+        let device = self.mesh.device();
         let local = match &self.host {
-            Some(host) => host.grad_sq_sum(),
+            Some(host) => {
+                let local = host.grad_sq_sum();
+                if self.world() == 1 {
+                    return Ok(StepValue::Read(local));
+                }
+                Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(vec![local as f32], [1]), device)
+            }
             None => {
                 standard_layout_grads::<B, M>(&self.module, grads);
-                grad_sq_sum::<B, M>(&self.module, grads)
+                match grad_sq_sum_tensors::<B, M>(&self.module, grads, |_| true) {
+                    [Some(t), _] => t,
+                    _ => Tensor::zeros([1], device),
+                }
             }
         };
         // Over the shard group only: with HSDP every replica holds the same reduced gradients.
-        let total = if self.world() == 1 {
-            local
-        } else {
-            let t = Tensor::<B::InnerBackend, 1>::from_data(
-                TensorData::new(vec![local as f32], [1]),
-                self.mesh.device(),
-            );
-            self.shard_group()
-                .all_reduce(t, ReduceOp::Sum, &Tag::new("clip_grad_norm"))?
-                .into_scalar()
-                .elem_f64()
-        };
-        let norm = total.sqrt();
+        if self.world() == 1 {
+            return Ok(StepValue::Pending(local));
+        }
+        let local = local.cast(DType::F32);
+        Ok(StepValue::Pending(self.shard_group().all_reduce(
+            local,
+            ReduceOp::Sum,
+            &Tag::new("clip_grad_norm"),
+        )?))
+    }
+
+    /// Scales every gradient by `torch.nn.utils.clip_grad_norm_`'s coefficient for a global
+    /// norm `norm` and a bound `max_norm` (≤ 0 or infinite: no change), as
+    /// [`clip_grad_norm`](Self::clip_grad_norm) does after measuring.
+    pub fn clip_grads(&self, grads: &mut GradientsParams, norm: f64, max_norm: f64) -> Result<(), FsdpError>
+    where
+        M: AutodiffModule<B>,
+    {
         if max_norm.is_finite() && max_norm > 0.0 {
             let coef = clip_coefficient(norm, max_norm);
             if coef < 1.0 {
@@ -156,17 +189,16 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
                 }
             }
         }
-        Ok(norm)
+        Ok(())
     }
 
-    /// [`clip_grad_norm`](Self::clip_grad_norm) on a data × tensor parallel mesh, where this
+    /// [`grad_sq_sum`](Self::grad_sq_sum) on a data × tensor parallel mesh, where this
     /// FSDP shards tp-local parameters over the data-parallel group: one all-reduce over dp
     /// of the squared sums of split and of replicated parameters, one over tp of the split
     /// part (replicated parameters have identical gradients on every tp rank and count once).
-    fn clip_grad_norm_tp(
+    fn grad_sq_sum_tp(
         &self,
         grads: &mut GradientsParams,
-        max_norm: f64,
         tp: &crate::tp::TensorParallel<B::InnerBackend>,
     ) -> Result<f64, FsdpError>
     where
@@ -196,14 +228,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
                 .into_scalar()
                 .elem_f64() as f32;
         }
-        let norm = (split as f64 + rest as f64).sqrt();
-        if max_norm.is_finite() && max_norm > 0.0 {
-            let coef = clip_coefficient(norm, max_norm);
-            if coef < 1.0 {
-                scale_grads::<B, M>(&self.module, grads, coef);
-            }
-        }
-        Ok(norm)
+        Ok(split as f64 + rest as f64)
     }
 
     /// Steps `optim` on the local shards.
