@@ -397,13 +397,29 @@ pub fn clip_grad_norm<AB: AutodiffBackend, M: AutodiffModule<AB>>(
 ) -> f64 {
     standard_layout_grads(module, grads);
     let norm = grad_norm(module, grads);
-    if max_norm.is_finite() && max_norm > 0.0 {
-        let coef = clip_coefficient(norm, max_norm);
-        if coef < 1.0 {
-            scale_grads(module, grads, coef);
-        }
-    }
+    clip_grads_to(module, grads, norm, max_norm);
     norm
+}
+
+/// The factor to scale gradients of global norm `norm` by so that it is at most `max_norm`
+/// ([`clip_coefficient`]), or `None` when nothing changes: `max_norm` non-finite or ≤ 0 (only
+/// measuring), or the norm already within it (or not a number).
+pub fn clip_factor(norm: f64, max_norm: f64) -> Option<f64> {
+    let coef = clip_coefficient(norm, max_norm);
+    (max_norm.is_finite() && max_norm > 0.0 && coef < 1.0).then_some(coef)
+}
+
+/// Scales every gradient of `module` in `grads`, of global norm `norm`, by [`clip_factor`]
+/// (single device; the second half of [`clip_grad_norm`] once the norm is known).
+pub fn clip_grads_to<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+    module: &M,
+    grads: &mut GradientsParams,
+    norm: f64,
+    max_norm: f64,
+) {
+    if let Some(coef) = clip_factor(norm, max_norm) {
+        scale_grads(module, grads, coef);
+    }
 }
 
 /// Reads a one-element tensor as `f64`.

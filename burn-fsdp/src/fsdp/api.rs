@@ -23,7 +23,7 @@ use crate::fsdp::prefetch::{Alias, PrefetchStats, Prefetcher};
 use crate::fsdp::scope::{self, UnitHost, Views, run_unit};
 use crate::fsdp::view::{ParamView, ViewGroup};
 use crate::optim::{
-    TorchAdamW, clip_coefficient, grad_sq_sum_split, grad_sq_sum_tensors, scale_grads, standard_layout_grads,
+    TorchAdamW, clip_factor, clip_grads_to, grad_sq_sum_split, grad_sq_sum_tensors, standard_layout_grads,
 };
 use crate::runner::UnitRunner;
 use crate::walk::deferred_shape;
@@ -457,7 +457,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         op: ReduceOp,
         tag: &str,
     ) -> Result<Option<Tensor<B::InnerBackend, 1>>, FsdpError> {
-        if self.world() == 1 && self.replicate_group().is_none_or(|g| g.size() == 1) {
+        if self.single_data_parallel_rank() {
             return Ok(None);
         }
         self.quiesce();
@@ -468,28 +468,29 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         Ok(Some(r))
     }
 
-    /// All-reduces one number over the data-parallel group.
+    /// All-reduces one number over the data-parallel group
+    /// ([`all_reduce_data_parallel`](Self::all_reduce_data_parallel) of it as `f32`, read).
     pub fn all_reduce_scalar(&self, value: f64, op: ReduceOp, tag: &str) -> Result<f64, FsdpError> {
-        if self.world() == 1 && self.replicate_group().is_none_or(|g| g.size() == 1) {
+        if self.single_data_parallel_rank() {
             return Ok(value);
         }
-        self.quiesce();
         let t = Tensor::<B::InnerBackend, 1>::from_data(
             TensorData::new(vec![value as f32], [1]),
             self.mesh.device(),
         );
-        let mut r = self.shard_group().all_reduce(t, op, &Tag::new(tag))?;
-        if let Some(rep) = self.replicate_group() {
-            r = rep.all_reduce(r, op, &Tag::new(format!("{tag}:replicas")))?;
-        }
-        Ok(r.into_scalar().elem_f64())
+        Ok(match self.all_reduce_data_parallel(t, op, tag)? {
+            Some(r) => r.into_scalar().elem_f64(),
+            None => value,
+        })
+    }
+
+    /// Whether this rank is the only data-parallel rank (no shard peer, no replica).
+    fn single_data_parallel_rank(&self) -> bool {
+        self.world() == 1 && self.replicate_group().is_none_or(|g| g.size() == 1)
     }
 
     /// At world size 1 without a dtype change nothing needs gathering.
     fn bypass(&self) -> bool {
-        self.world() == 1
-            && self.replicate_group().is_none_or(|g| g.size() == 1)
-            && self.config.mp_policy.param_dtype.is_none()
-            && self.host.is_none()
+        self.single_data_parallel_rank() && self.config.mp_policy.param_dtype.is_none() && self.host.is_none()
     }
 }

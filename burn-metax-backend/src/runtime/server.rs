@@ -335,9 +335,7 @@ impl<P: Platform> GpuServer<P> {
         unsafe { self.kernels.launch(&loaded, grid, current.handle, &resources)? };
         order_after(&self.order, current.handle, &ranges);
         if current.staging.batch_full() {
-            let driver = self.driver.clone();
-            let handle = current.handle;
-            current.staging.seal(|| Fence::new(driver.clone(), handle));
+            current.staging.seal();
         }
         Ok(())
     }
@@ -777,9 +775,7 @@ impl<P: Platform> ComputeServer for GpuServer<P> {
         self.check_errors(stream_id)?;
         let mut streams = self.streams.resolve(stream_id, [].into_iter(), true)?;
         let current = streams.current();
-        let driver = self.driver.clone();
-        let handle = current.handle;
-        current.staging.seal(|| Fence::new(driver, handle));
+        current.staging.seal();
         current.memory_gpu.storage().flush();
         Ok(())
     }

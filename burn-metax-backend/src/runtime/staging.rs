@@ -15,10 +15,12 @@
 //! bound on host memory, as deep as a GPU's own launch queue — and when the queue is dropped.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use cubecl_common::bytes::Bytes;
 
 use super::fence::Fence;
+use crate::driver::{Driver, StreamHandle};
 
 /// A batch is sealed once it holds this many buffers…
 pub(crate) const BATCH_BUFFERS: usize = 64;
@@ -30,8 +32,9 @@ pub(crate) const MAX_IN_FLIGHT_BATCHES: usize = 256;
 pub(crate) const MAX_IN_FLIGHT_BYTES: usize = 512 << 20;
 
 /// Host buffers of one stream that queued device work still reads.
-#[derive(Debug, Default)]
 pub(crate) struct StagingQueue {
+    driver: Arc<dyn Driver>,
+    stream: StreamHandle,
     /// Buffers of the batch being filled, not yet behind a fence.
     staged: Vec<Bytes>,
     staged_bytes: usize,
@@ -40,7 +43,29 @@ pub(crate) struct StagingQueue {
     in_flight_bytes: usize,
 }
 
+impl std::fmt::Debug for StagingQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StagingQueue")
+            .field("stream", &self.stream)
+            .field("staged", &self.staged.len())
+            .field("in_flight", &self.in_flight.len())
+            .finish()
+    }
+}
+
 impl StagingQueue {
+    /// An empty queue for the buffers of `stream`.
+    pub(crate) fn new(driver: Arc<dyn Driver>, stream: StreamHandle) -> Self {
+        Self {
+            driver,
+            stream,
+            staged: Vec::new(),
+            staged_bytes: 0,
+            in_flight: VecDeque::new(),
+            in_flight_bytes: 0,
+        }
+    }
+
     /// Keeps `bytes` alive until the work queued so far on the stream (and the next sealing
     /// point) has been reached.
     pub(crate) fn push(&mut self, bytes: Bytes) {
@@ -53,15 +78,15 @@ impl StagingQueue {
         self.staged.len() >= BATCH_BUFFERS || self.staged_bytes >= BATCH_BYTES
     }
 
-    /// Seals the batch being filled behind `fence()` (an event recorded on the stream after the
-    /// work that reads it), then releases every batch whose event was reached, oldest first,
+    /// Seals the batch being filled behind an event recorded on the stream after the work that
+    /// reads it, then releases every batch whose event was reached, oldest first,
     /// without waiting. The host waits for the oldest batches only while more than
     /// [`MAX_IN_FLIGHT_BATCHES`] or [`MAX_IN_FLIGHT_BYTES`] are held.
-    pub(crate) fn seal(&mut self, fence: impl FnOnce() -> Fence) {
+    pub(crate) fn seal(&mut self) {
         if !self.staged.is_empty() {
             let batch = std::mem::take(&mut self.staged);
             let bytes = std::mem::take(&mut self.staged_bytes);
-            self.in_flight.push_back((fence(), batch, bytes));
+            self.in_flight.push_back((Fence::new(self.driver.clone(), self.stream), batch, bytes));
             self.in_flight_bytes += bytes;
         }
         while let Some((fence, _, _)) = self.in_flight.front() {
@@ -94,10 +119,12 @@ impl StagingQueue {
 
 impl Drop for StagingQueue {
     fn drop(&mut self) {
-        // The stream goes away: its queued copies may still read the buffers, so wait for them.
-        // Unsealed buffers belong to work queued after the last seal; the stream's own
-        // synchronisation before it is destroyed covers them, but a fence here costs nothing
-        // when the queue is empty and is the safe order when it is not.
+        // The stream goes away: its queued copies may still read the buffers, the unsealed ones
+        // included, so seal those too and wait for every batch.
+        if !self.staged.is_empty() {
+            let batch = std::mem::take(&mut self.staged);
+            self.in_flight.push_back((Fence::new(self.driver.clone(), self.stream), batch, 0));
+        }
         for (fence, batch, _) in self.in_flight.drain(..) {
             let _ = fence.wait_sync();
             drop(batch);
@@ -126,23 +153,23 @@ mod tests {
         let emu = driver();
         let dyn_driver: Arc<dyn Driver> = emu.clone();
         let stream = dyn_driver.stream_create(true).expect("stream");
-        let mut queue = StagingQueue::default();
+        let mut queue = StagingQueue::new(dyn_driver.clone(), stream);
         for _ in 0..BATCH_BUFFERS {
             queue.push(buffer());
         }
         assert!(queue.batch_full());
         // The stream is held: the sealed batch stays, and sealing does not wait for it.
         let release = emu.hold_stream(stream).expect("hold");
-        queue.seal(|| Fence::new(dyn_driver.clone(), stream));
+        queue.seal();
         assert_eq!(queue.held(), (0, BATCH_BUFFERS));
         let syncs = emu.counters(0).host_syncs;
         queue.push(buffer());
-        queue.seal(|| Fence::new(dyn_driver.clone(), stream));
+        queue.seal();
         assert_eq!(queue.held(), (0, BATCH_BUFFERS + 1), "nothing reached yet: nothing released");
         assert_eq!(emu.counters(0).host_syncs, syncs, "sealing never waited on the host");
         drop(release);
         dyn_driver.stream_synchronize(stream).expect("sync");
-        queue.seal(|| unreachable!("no buffer staged: no fence"));
+        queue.seal();
         assert_eq!(queue.held(), (0, 0), "both batches released once the stream passed them");
         dyn_driver.stream_destroy(stream).expect("destroy");
     }
@@ -152,11 +179,11 @@ mod tests {
         let emu = driver();
         let dyn_driver: Arc<dyn Driver> = emu.clone();
         let stream = dyn_driver.stream_create(true).expect("stream");
-        let mut queue = StagingQueue::default();
+        let mut queue = StagingQueue::new(dyn_driver.clone(), stream);
         let release = emu.hold_stream(stream).expect("hold");
         for _ in 0..MAX_IN_FLIGHT_BATCHES {
             queue.push(buffer());
-            queue.seal(|| Fence::new(dyn_driver.clone(), stream));
+            queue.seal();
         }
         assert_eq!(queue.held(), (0, MAX_IN_FLIGHT_BATCHES));
         // One more batch goes over the bound: the seal waits until the stream is let go.
@@ -166,7 +193,7 @@ mod tests {
         });
         let syncs = emu.counters(0).host_syncs;
         queue.push(buffer());
-        queue.seal(|| Fence::new(dyn_driver.clone(), stream));
+        queue.seal();
         // The seal waited for the oldest batch (one host sync); once the stream is let go the
         // others are reached as well and released without waiting.
         assert_eq!(emu.counters(0).host_syncs, syncs + 1, "one host wait, for the oldest batch");

@@ -98,7 +98,13 @@ impl EventStreamBackend for GpuStreamBackend {
             self.logger.clone(),
             MemoryManagementOptions::new("Pinned host memory").mode(MemoryAllocationMode::Auto),
         );
-        GpuStream { handle, memory_gpu, memory_cpu, errors, staging: StagingQueue::default() }
+        GpuStream {
+            handle,
+            memory_gpu,
+            memory_cpu,
+            errors,
+            staging: StagingQueue::new(self.driver.clone(), handle),
+        }
     }
 
     fn flush(stream: &mut GpuStream) -> Fence {

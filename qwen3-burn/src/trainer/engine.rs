@@ -11,7 +11,7 @@ use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 use burn_fsdp::activation_checkpointing::checkpointed;
-use burn_fsdp::optim::{clip_coefficient, grad_sq_sum_device, scale_grads};
+use burn_fsdp::optim::{clip_grads_to, grad_sq_sum_device};
 use burn_fsdp::prefetch::PrefetchStats;
 use burn_fsdp::tp::TensorParallel;
 use burn_fsdp::{
@@ -210,10 +210,7 @@ impl<B: Backend, C: CheckpointStrategy> Engine<B, C> {
     pub fn clip(&self, grads: &mut GradientsParams, norm: f64, max_norm: f64) -> Result<(), TrainError> {
         match self {
             Self::Single { model, .. } => {
-                let coef = clip_coefficient(norm, max_norm);
-                if max_norm.is_finite() && max_norm > 0.0 && coef < 1.0 {
-                    scale_grads(&**model, grads, coef);
-                }
+                clip_grads_to(&**model, grads, norm, max_norm);
                 Ok(())
             }
             Self::Sharded(s) => Ok(s.fsdp.clip_grads(grads, norm, max_norm)?),

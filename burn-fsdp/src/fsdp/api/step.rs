@@ -180,14 +180,10 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     where
         M: AutodiffModule<B>,
     {
-        if max_norm.is_finite() && max_norm > 0.0 {
-            let coef = clip_coefficient(norm, max_norm);
-            if coef < 1.0 {
-                match &self.host {
-                    Some(host) => host.scale_grads(coef),
-                    None => scale_grads::<B, M>(&self.module, grads, coef),
-                }
-            }
+        match (clip_factor(norm, max_norm), &self.host) {
+            (Some(coef), Some(host)) => host.scale_grads(coef),
+            (Some(_), None) => clip_grads_to::<B, M>(&self.module, grads, norm, max_norm),
+            (None, _) => {}
         }
         Ok(())
     }
