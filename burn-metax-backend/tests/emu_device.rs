@@ -39,12 +39,14 @@ const UNORDERED: MetaxEmuDevice = MetaxEmuDevice::new(5);
 const BY_NEED_OVERLAP: MetaxEmuDevice = MetaxEmuDevice::new(6);
 /// The all-streams rule (the earlier one).
 const ALL_STREAMS: MetaxEmuDevice = MetaxEmuDevice::new(7);
+/// A read queued behind a held stream.
+const QUEUED_READ: MetaxEmuDevice = MetaxEmuDevice::new(8);
 
 fn setup() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         let mut config =
-            EmuConfig::uniform(8, EmuDeviceConfig { memory_bytes: 2 << 30, ..Default::default() });
+            EmuConfig::uniform(9, EmuDeviceConfig { memory_bytes: 2 << 30, ..Default::default() });
         config.devices[1].warp_size = 32;
         config.devices[2].launch_delay = LAUNCH_DELAY;
         config.wait_timeout = Duration::from_secs(120);
@@ -409,6 +411,37 @@ fn read_after_a_held_side_stream_write(device: MetaxEmuDevice) -> HeldWrite {
     reader.join().expect("reader thread").expect("send");
     let values = data.to_vec::<f32>().expect("f32");
     HeldWrite { read_while_held, stale: values.iter().filter(|v| **v != 6.0).count() }
+}
+
+/// A read's first poll does not wait: with the stream held back, polling Burn's
+/// `into_data_async` once queues the copy and returns `Pending` at once (burn-fsdp's CPU offload
+/// queues each unit's gradient copy so, in backward); blocking on the future afterwards gives
+/// the values once the stream goes on.
+#[test]
+fn a_read_is_queued_by_its_first_poll_without_waiting() {
+    use std::future::Future;
+    use std::task::{Context, Waker};
+
+    setup();
+    let device = QUEUED_READ;
+    let stream = this_threads_stream(device);
+    let x = Tensor::<MetaxEmu, 1>::from_floats([1.0, 2.0, 3.0, 4.0], &device);
+    let _ = x.clone().into_data();
+    let hold = emu_driver().expect("driver").hold_stream(stream).expect("hold");
+    let mut read = Box::pin(x.mul_scalar(2.0).into_data_async());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let poller = std::thread::spawn(move || {
+        let first = read.as_mut().poll(&mut Context::from_waker(Waker::noop())).is_pending();
+        let _ = tx.send(first);
+        read
+    });
+    // A poll that waited would wait for the held stream, i.e. until the release below.
+    let first = rx.recv_timeout(Duration::from_secs(60));
+    hold.release();
+    let read = poller.join().expect("poller thread");
+    assert_eq!(first, Ok(true), "the first poll of a read behind a held stream must return Pending at once");
+    let data = burn::tensor::read_sync(read).expect("the read, once the stream goes on");
+    assert_eq!(data.to_vec::<f32>().expect("f32"), vec![2.0, 4.0, 6.0, 8.0]);
 }
 
 /// By need: the read waits for the stream that wrote its buffer in place.

@@ -84,14 +84,14 @@ pub fn chunked_cross_entropy<B: LossBackend>(
     let f32 = |x: Tensor<B::InnerBackend, 2>| if x.dtype() == DType::F32 { x } else { x.cast(DType::F32) };
     let mut loss_sum = Tensor::<B::InnerBackend, 1>::zeros([1], &device);
     let mut d_hidden = Vec::with_capacity(n.div_ceil(chunk));
-    // The head is used in row blocks of `HEAD_BLOCK_ROWS` vocabulary entries: no product
-    // below has the head's size (a CPU backend copies each matmul operand, and a
-    // [vocab, hidden] product plus its copies would be several head-sized buffers at once;
-    // for Qwen3-0.6B each is 594 MiB). The blocks are slices, not copies.
+    // The head is used in row blocks of `head_block_rows` vocabulary entries (see there): on
+    // a CPU backend no product below has the head's size, on a GPU one product per chunk
+    // covers the whole vocabulary. The blocks are slices, not copies.
+    let block = head_block_rows::<B::InnerBackend>(v);
     let blocks: Vec<(std::ops::Range<usize>, Tensor<B::InnerBackend, 2>)> = (0..v)
-        .step_by(HEAD_BLOCK_ROWS)
+        .step_by(block)
         .map(|start| {
-            let rows = start..(start + HEAD_BLOCK_ROWS).min(v);
+            let rows = start..(start + block).min(v);
             (rows.clone(), w.clone().slice([rows, 0..d]))
         })
         .collect();
@@ -112,10 +112,9 @@ pub fn chunked_cross_entropy<B: LossBackend>(
         // operand is copied element by element on CPU backends). Each logit is one dot
         // product over `hidden`, the same whatever the blocking.
         let h_t = h_c.clone().transpose();
-        let logits = Tensor::cat(
-            blocks.iter().map(|(_, w_b)| w_b.clone().matmul(h_t.clone()).transpose()).collect(),
-            1,
-        );
+        let mut logits: Vec<_> =
+            blocks.iter().map(|(_, w_b)| w_b.clone().matmul(h_t.clone()).transpose()).collect();
+        let logits = if logits.len() == 1 { logits.remove(0) } else { Tensor::cat(logits, 1) };
         let logits = f32(logits);
         let shifted = logits.clone() - logits.max_dim(1);
         let exp = shifted.clone().exp();
@@ -198,10 +197,17 @@ fn add_head_gradient<B: Backend>(
 
 /// Zeros of the head's shape and dtype. On Flex, `f32` zeros are handed over as one zeroed
 /// vector (`Tensor::zeros` fills a byte vector and then copies it into aligned memory: a
-/// second head-sized buffer for a moment).
+/// second head-sized buffer for a moment). Elsewhere they are the backend's own zeros: on a
+/// GPU a fill kernel, where a zeroed host vector would be a head-sized upload per step
+/// (600 MiB at Qwen3-0.6B's vocabulary).
 fn zeros_like_head<B: Backend>(shape: [usize; 2], dtype: DType, device: &B::Device) -> Tensor<B, 2> {
+    let on_flex = std::any::TypeId::of::<B::FloatTensorPrimitive>()
+        == std::any::TypeId::of::<burn::backend::flex::FlexTensor>();
     match dtype {
-        DType::F32 => Tensor::from_data(TensorData::new(vec![0f32; shape[0] * shape[1]], shape), device),
+        DType::F32 if on_flex => {
+            Tensor::from_data(TensorData::new(vec![0f32; shape[0] * shape[1]], shape), device)
+        }
+        DType::F32 => Tensor::zeros(shape, device),
         _ => Tensor::<B, 2>::zeros(shape, device).cast(dtype),
     }
 }
@@ -216,11 +222,15 @@ fn zeros_like_head<B: Backend>(shape: [usize; 2], dtype: DType, device: &B::Devi
 /// # Shapes
 /// - acc: `[n, d]`, part: `[rows.len(), d]`
 fn add_rows<B: Backend>(acc: Tensor<B, 2>, rows: std::ops::Range<usize>, part: Tensor<B, 2>) -> Tensor<B, 2> {
-    let [_, d] = acc.dims();
+    let [n, d] = acc.dims();
     let (acc, part) = match in_place::add_rows::<B>(acc, rows.start * d, part) {
         Ok(sum) => return sum,
         Err(back) => back,
     };
+    if rows == (0..n) {
+        // One block: the whole buffer (the same additions, without a slice and its write-back).
+        return acc + part;
+    }
     let ranges = [rows, 0..d];
     let sum = acc.clone().slice(ranges.clone()) + part;
     acc.slice_assign(ranges, sum)
@@ -426,9 +436,40 @@ impl<B: Backend, C: CheckpointStrategy> LossBackend for Autodiff<B, C> {
     }
 }
 
-/// Vocabulary rows of the head per product in [`chunked_cross_entropy`] (16 MiB of f32 at
-/// hidden size 1024).
+/// Vocabulary rows of the head per product in [`chunked_cross_entropy`] on a CPU backend
+/// (16 MiB of f32 at hidden size 1024).
 const HEAD_BLOCK_ROWS: usize = 4096;
+
+/// Vocabulary rows of the head per product in [`chunked_cross_entropy`] on backend `B`, for a
+/// vocabulary of `vocab` entries.
+///
+/// - **CPU backends (Flex, NdArray): 4 096.** They copy each matmul operand, so a
+///   `[vocab, hidden]` product and its copies would be several head-sized buffers at once
+///   (594 MiB each for Qwen3-0.6B); 4 096-row blocks keep every product small.
+/// - **Every other backend (GPUs): the whole vocabulary.** A GPU matmul copies nothing, and
+///   one `[chunk, hidden] × [hidden, vocab]` product per chunk (and one for each gradient)
+///   keeps the device busy, where Qwen3's 151 936 entries in 4 096-row blocks made 38 small
+///   products, each with its own launches, per chunk and per gradient.
+///
+/// Each logit is one dot product over `hidden` whatever the blocking; the CPU backends'
+/// results (which the fixture tests pin bit for bit) do not depend on this choice.
+///
+/// ```
+/// use burn::backend::{Flex, NdArray};
+/// use qwen3_burn::train::head_block_rows;
+///
+/// assert_eq!(head_block_rows::<Flex>(151_936), 4096);
+/// assert_eq!(head_block_rows::<NdArray>(151_936), 4096);
+/// assert_eq!(head_block_rows::<Flex>(1000), 1000);
+/// ```
+pub fn head_block_rows<B: Backend>(vocab: usize) -> usize {
+    use std::any::TypeId;
+    let float = TypeId::of::<B::FloatTensorPrimitive>();
+    let on_cpu = float == TypeId::of::<burn::backend::flex::FlexTensor>()
+        || float == TypeId::of::<burn::backend::ndarray::NdArrayTensor>();
+    let vocab = vocab.max(1);
+    if on_cpu { HEAD_BLOCK_ROWS.min(vocab) } else { vocab }
+}
 
 /// A chunk size for [`chunked_cross_entropy`] that keeps each `[chunk, vocab]` f32 piece
 /// near `bytes` (at least one row).

@@ -7,10 +7,19 @@
 //! the host copies with exactly the arithmetic of [`TorchAdamW`](crate::TorchAdamW). So between steps
 //! the device holds nothing of the model, and during a step about one unit.
 //!
-//! Ordering: every device → host copy here is `Tensor::into_data`, which on Burn's backends
-//! waits for the work queued before it on the tensor's stream; every host → device copy is a
-//! fresh `Tensor::from_data`. Collectives of this crate run on that same stream, so a copy
-//! never overtakes the reduce-scatter that produced its data.
+//! Ordering: every device → host copy here is Burn's `into_data_async`, which on Burn's
+//! backends is queued after the work queued before it on the tensor's stream; every host →
+//! device copy is a fresh `Tensor::from_data`. FSDP's communication thread works on the compute
+//! thread's stream, and a backend that runs collectives on a stream of its own orders a read of
+//! their output after them, so a copy never overtakes the reduce-scatter that produced its
+//! data.
+//!
+//! The gradient copies do not wait: a unit's copy is queued (its future polled once) when its
+//! reduce-scatter has been issued, and the host waits for the copies only when it next needs
+//! the stored gradients (the optimizer step, the norm, a checkpoint), in the order they were
+//! queued — FSDP2's non-blocking device → host copies, synchronised before the optimizer step.
+//! On a backend whose read completes at once (the CPU backends) the gradient is stored at
+//! once.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -50,10 +59,49 @@ pub(crate) struct HostParam {
     pub adam: Option<HostAdam>,
 }
 
+/// A gradient copy queued and not yet waited for: the parameters it goes to (with their
+/// lengths) and what waits for its values.
+struct QueuedGrad {
+    ids: Vec<(ParamId, usize)>,
+    values: Box<dyn FnOnce() -> Vec<f32> + Send>,
+}
+
 /// Host memory holding every offloaded shard of one rank.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(crate) struct HostStore {
     params: Mutex<HashMap<ParamId, HostParam>>,
+    /// Gradient copies in flight, oldest first (see the module docs).
+    queued: Mutex<Vec<QueuedGrad>>,
+}
+
+impl std::fmt::Debug for HostStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostStore").finish_non_exhaustive()
+    }
+}
+
+/// Polls `fut` once, without a task to wake: `Some` if it is done.
+fn poll_once<F: std::future::Future + Unpin>(fut: &mut F) -> Option<F::Output> {
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match std::pin::Pin::new(fut).poll(&mut cx) {
+        std::task::Poll::Ready(out) => Some(out),
+        std::task::Poll::Pending => None,
+    }
+}
+
+/// An offloaded unit's gradient as f32 values. Inside backward, where nothing can be returned:
+/// the reduce-scatter made this gradient in the reduce dtype (f32 or bf16), which converts;
+/// were it not, or did the read fail, fail loudly.
+fn grad_values(data: Result<TensorData, burn::tensor::backend::ExecutionError>) -> Vec<f32> {
+    let what = || "an offloaded unit's gradient".to_string();
+    let data = match data {
+        Ok(data) => data,
+        Err(e) => panic!("reading {}: {e:?}", what()),
+    };
+    match crate::downcast::f32_values(data, what) {
+        Ok(v) => v,
+        Err(e) => panic!("{e}"),
+    }
 }
 
 /// Bytes held in host memory under offload ([`Fsdp::offloaded_bytes`](crate::Fsdp::offloaded_bytes)), by kind.
@@ -68,9 +116,24 @@ pub struct HostBytes {
 }
 
 impl HostStore {
+    /// The stored parameters, with every queued gradient copy waited for and added first.
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<ParamId, HostParam>> {
+        let queued = std::mem::take(&mut *self.queue());
+        let mut params = self.params();
+        for grad in queued {
+            add_grad(&mut params, &grad.ids, &(grad.values)());
+        }
+        params
+    }
+
+    fn params(&self) -> std::sync::MutexGuard<'_, HashMap<ParamId, HostParam>> {
         // Every update replaces whole entries, so a poisoned lock holds consistent data.
         self.params.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn queue(&self) -> std::sync::MutexGuard<'_, Vec<QueuedGrad>> {
+        // Pushes and takes only.
+        self.queued.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Stores a parameter's shard (replacing what was there, gradient and state included).
@@ -102,26 +165,24 @@ impl HostStore {
     }
 
     /// Device → host: splits a unit's flat shard gradient over `ids` (with their lengths) and
-    /// adds it to the stored gradients.
+    /// adds it to the stored gradients — once its copy has completed, which this call does not
+    /// wait for (see the module docs).
     pub fn accumulate_grad<B: Backend>(&self, ids: &[(ParamId, usize)], grad: Tensor<B, 1>) {
-        // Inside backward, where nothing can be returned: the reduce-scatter made this gradient
-        // in the reduce dtype (f32 or bf16), which converts; were it not, fail loudly.
-        let values =
-            match crate::downcast::f32_values(grad.into_data(), || "an offloaded unit's gradient".into()) {
-                Ok(v) => v,
-                Err(e) => panic!("{e}"),
-            };
-        let mut store = self.lock();
-        let mut offset = 0;
-        for (id, len) in ids {
-            let piece = &values[offset.min(values.len())..(offset + len).min(values.len())];
-            offset += len;
-            let Some(p) = store.get_mut(id) else { continue };
-            match &mut p.grad {
-                Some(g) => g.iter_mut().zip(piece).for_each(|(a, b)| *a += b),
-                None => p.grad = Some(piece.to_vec()),
+        let mut read = Box::pin(grad.into_data_async());
+        // The first poll queues the copy.
+        let done = poll_once(&mut read);
+        let mut queue = self.queue();
+        let values: Box<dyn FnOnce() -> Vec<f32> + Send> = match done {
+            // Done at once (a CPU backend) and nothing queued before it: stored now.
+            Some(data) if queue.is_empty() => {
+                drop(queue);
+                add_grad(&mut self.params(), ids, &grad_values(data));
+                return;
             }
-        }
+            Some(data) => Box::new(move || grad_values(data)),
+            None => Box::new(move || grad_values(burn::tensor::read_sync(read))),
+        };
+        queue.push(QueuedGrad { ids: ids.to_vec(), values });
     }
 
     /// Sum of squares of the stored gradients (the local part of the global norm).
@@ -190,5 +251,20 @@ impl HostStore {
             b.optimizer += p.adam.as_ref().map_or(0, |a| 4 * (a.exp_avg.len() + a.exp_avg_sq.len()));
         }
         b
+    }
+}
+
+/// Adds a unit's flat shard gradient `values` to the stored gradients of `ids` (with their
+/// lengths), in order.
+fn add_grad(store: &mut HashMap<ParamId, HostParam>, ids: &[(ParamId, usize)], values: &[f32]) {
+    let mut offset = 0;
+    for (id, len) in ids {
+        let piece = &values[offset.min(values.len())..(offset + len).min(values.len())];
+        offset += len;
+        let Some(p) = store.get_mut(id) else { continue };
+        match &mut p.grad {
+            Some(g) => g.iter_mut().zip(piece).for_each(|(a, b)| *a += b),
+            None => p.grad = Some(piece.to_vec()),
+        }
     }
 }

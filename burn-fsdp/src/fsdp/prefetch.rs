@@ -42,7 +42,7 @@ use std::time::Instant;
 use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::grads::Gradients;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Shape, Tensor, TensorPrimitive};
+use burn::tensor::{DType, Shape, StreamId, Tensor, TensorPrimitive};
 
 use crate::fsdp::collectives::{Phase, UnitComm};
 
@@ -87,10 +87,22 @@ impl CommWorker {
     }
 
     /// Queues `f`; its result (or panic) comes back through the [`Pending`].
+    ///
+    /// `f` runs on the **submitting thread's stream** ([`StreamId`]), not on one of the worker
+    /// thread's own: the tensor work around a collective (flattening and casting its input,
+    /// allocating its output, dropping what it consumed) is then ordered on the device with
+    /// the compute that produced the input and the compute that reads the output, with no wait
+    /// between streams, and its memory comes from and goes back to the compute stream's pool.
+    /// What runs on a stream of its own is the collective itself: backends that communicate on
+    /// the device queue it on their group's communication stream. Backends without streams
+    /// ignore the id.
     pub fn submit<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> Pending<T> {
         let (tx, rx) = channel();
+        let stream = StreamId::current();
         let job: Job = Box::new(move || {
-            let _ = tx.send(catch_unwind(AssertUnwindSafe(f)));
+            stream.executes(move || {
+                let _ = tx.send(catch_unwind(AssertUnwindSafe(f)));
+            })
         });
         let sender = self.tx.lock().unwrap_or_else(|p| p.into_inner());
         match sender.as_ref() {

@@ -2,9 +2,9 @@
 //! the dynamic loader, and launched on a stream worker with fiber stacks and a shared-memory arena
 //! owned by that worker thread.
 
-use std::cell::RefCell;
 use std::ffi::{CStr, c_char, c_void};
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
 
@@ -186,9 +186,9 @@ impl Launch {
         let base = self.values.as_mut_ptr();
         let mut params: Vec<*mut c_void> =
             self.offsets.iter().map(|&offset| base.wrapping_add(offset).cast::<c_void>()).collect();
-        ARENA.with(|arena| {
-            let mut arena = arena.borrow_mut();
-            let arena = arena.get_or_insert_with(Arena::new);
+        let mut arena = Arena::take();
+        let result = (|| {
+            let arena = &mut arena;
             if self.module.cooperative {
                 arena.ensure_stacks()?;
             }
@@ -222,17 +222,21 @@ impl Launch {
                 let end = error.iter().position(|&b| b == 0).unwrap_or(error.len());
                 Err(String::from_utf8_lossy(&error[..end]).into_owned())
             }
-        })
+        })();
+        arena.give_back();
+        result
     }
 }
 
-thread_local! {
-    /// The fiber stacks and shared memory of this (stream worker) thread.
-    static ARENA: RefCell<Option<Arena>> = const { RefCell::new(None) };
-}
+/// Arenas no launch is using. A launch takes one and gives it back when it returns, so there
+/// are as many as launches ever ran at once (one per stream running a kernel), not one per
+/// thread that ever launched: a process that starts many streams (CubeCL makes one per client
+/// thread, up to 128 per device) would otherwise keep an arena per stream worker, each with
+/// `MAX_LANES` guard pages, and run out of memory mappings (`vm.max_map_count`).
+static POOL: Mutex<Vec<Arena>> = Mutex::new(Vec::new());
 
-/// Per-thread launch memory: `MAX_SHARED` bytes of shared memory, and (created on the first
-/// cooperative launch) `MAX_LANES` lane stacks, each with a guard page below it, reserved with
+/// Launch memory: `MAX_SHARED` bytes of shared memory, and (created on the first cooperative
+/// launch) `MAX_LANES` lane stacks, each with a guard page below it, reserved with
 /// `MAP_NORESERVE` so that only the pages lanes touch are ever committed.
 struct Arena {
     shared: *mut u8,
@@ -246,7 +250,22 @@ fn page_size() -> usize {
     usize::try_from(size).ok().filter(|s| *s > 0).unwrap_or(4096)
 }
 
+// SAFETY: an `Arena` owns its two allocations and nothing else points into them once a launch
+// has returned (a launch borrows the arena for its whole, synchronous run), so moving the
+// arena to another thread between launches moves sole ownership.
+unsafe impl Send for Arena {}
+
 impl Arena {
+    /// An idle arena from the pool, or a new one.
+    fn take() -> Self {
+        POOL.lock().unwrap_or_else(|e| e.into_inner()).pop().unwrap_or_else(Self::new)
+    }
+
+    /// Returns the arena to the pool.
+    fn give_back(self) {
+        POOL.lock().unwrap_or_else(|e| e.into_inner()).push(self);
+    }
+
     fn new() -> Self {
         let layout = std::alloc::Layout::from_size_align(MAX_SHARED, 4096).expect("valid layout");
         // SAFETY: non-zero size.

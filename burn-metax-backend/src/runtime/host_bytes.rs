@@ -47,3 +47,17 @@ pub fn host_bytes_of_stream(platform: &str, device: usize, stream: StreamId) -> 
 pub fn host_bytes_of_this_thread(platform: &str, device: usize) -> u64 {
     host_bytes_of_stream(platform, device, StreamId::current())
 }
+
+/// Bytes copied so far between host and device memory on device `device` of platform
+/// `platform`, by every client stream: the sum of [`host_bytes_of_stream`] over the streams.
+///
+/// ```
+/// use burn_metax_backend::runtime::host_bytes_of_device;
+///
+/// assert_eq!(host_bytes_of_device("metax-emu", 63), 0);
+/// ```
+pub fn host_bytes_of_device(platform: &str, device: usize) -> u64 {
+    bytes()
+        .as_ref()
+        .map_or(0, |m| m.iter().filter(|((p, d, _), _)| *p == platform && *d == device).map(|(_, n)| n).sum())
+}

@@ -33,7 +33,7 @@ pub use emu_platform::{
 };
 pub use error::BackendError;
 pub use fence::Fence;
-pub use host_bytes::{host_bytes_of_stream, host_bytes_of_this_thread};
+pub use host_bytes::{host_bytes_of_device, host_bytes_of_stream, host_bytes_of_this_thread};
 pub use order::{StreamOrdering, set_stream_ordering, stream_ordering};
 pub use platform::{
     GpuDevice, MACA_DEVICE_TYPE_ID, MacaDevice, MacaPlatform, Platform, install_maca_driver, maca_driver,

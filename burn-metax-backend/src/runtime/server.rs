@@ -463,6 +463,59 @@ impl PendingRead {
         }
         Ok(std::mem::take(&mut self.bytes))
     }
+
+    /// Whether the copies have completed, without waiting.
+    fn reached(&self) -> bool {
+        self.fence.as_ref().is_none_or(Fence::reached)
+    }
+
+    /// The bytes of a read that [`PendingRead::reached`] its end (no wait).
+    fn take(mut self) -> Vec<Bytes> {
+        if let Some(fence) = self.fence.take() {
+            fence.release();
+        }
+        std::mem::take(&mut self.bytes)
+    }
+}
+
+/// The future of a read, whose copies [`GpuServer::read`] has already queued.
+///
+/// Its first poll does not wait: it returns the bytes if the copies have completed (a
+/// non-blocking event query), else `Pending` (waking its task at once). Later polls wait on the
+/// host. So a caller can queue a read and collect it later — poll Burn's `into_data_async`
+/// once, as burn-fsdp's CPU offload does with each unit's gradient in backward, and block on it
+/// when the host needs the values — while `into_data` (which blocks on the future) waits as it
+/// always did, with one more poll.
+struct ReadFuture {
+    pending: Option<PendingRead>,
+    polled: bool,
+}
+
+impl std::future::Future for ReadFuture {
+    type Output = Result<Vec<Bytes>, ServerError>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        use std::task::Poll;
+        let Some(pending) = self.pending.take() else {
+            return Poll::Ready(Err(ServerError::Generic {
+                reason: "a read polled after it completed".into(),
+                backtrace: BackTrace::capture(),
+            }));
+        };
+        if pending.reached() {
+            return Poll::Ready(Ok(pending.take()));
+        }
+        if !self.polled {
+            self.polled = true;
+            self.pending = Some(pending);
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
+        Poll::Ready(pending.finish())
+    }
 }
 
 impl Drop for PendingRead {
@@ -679,7 +732,7 @@ impl<P: Platform> ComputeServer for GpuServer<P> {
         stream_id: StreamId,
     ) -> DynFut<Result<Vec<Bytes>, ServerError>> {
         match self.read_inner(descriptors, stream_id) {
-            Ok(pending) => Box::pin(async move { pending.finish() }),
+            Ok(pending) => Box::pin(ReadFuture { pending: Some(pending), polled: false }),
             Err(err) => Box::pin(async move { Err(err) }),
         }
     }

@@ -16,9 +16,17 @@
 //! Collective host bytes are the data a collective call copies between the rank's device and
 //! the host: a wrapper around the rank's process group reads, before and after each call, the
 //! bytes the device's server has read or written for the calling thread's stream
-//! ([`host_bytes_of_this_thread`]), so other threads' copies in the meantime are not counted;
-//! the server is made to take the thread's earlier work first (a round trip that makes no driver
-//! call), so the upload of the call's own input is not counted either.
+//! ([`host_bytes_of_this_thread`]); the server is made to take the thread's earlier work first
+//! (a round trip that makes no driver call), so the upload of the call's own input is not
+//! counted. FSDP's communication thread runs its jobs on the compute thread's stream (so that
+//! the work around a collective needs no wait between streams), where the compute thread's own
+//! copies would fall into the window: so this one figure comes from two more runs of the
+//! configuration with `--no-prefetch`, whose collectives run in-line on the compute thread and
+//! have the stream to themselves for their duration. The collectives are the same ones, in the
+//! same order, on the same tensors (the results are bit-identical with and without prefetch).
+//!
+//! `host ↔ device bytes (all copies)` is every read and write of the step by any stream, for
+//! scale: the batch, the rotary tables, the step's one read.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -28,7 +36,8 @@ use burn::tensor::Tensor;
 use burn_fsdp::comm::{CommError, CommStats, ProcessGroup, ReduceOp, Tag};
 use burn_metax_backend::emu::EmuCounters;
 use burn_metax_backend::runtime::{
-    MetaxEmuPlatform, Platform, StreamOrdering, emu_driver, host_bytes_of_this_thread, set_stream_ordering,
+    MetaxEmuPlatform, Platform, StreamOrdering, emu_driver, host_bytes_of_device, host_bytes_of_this_thread,
+    set_stream_ordering,
 };
 use burn_metax_backend::{MetaxEmu, MetaxEmuDevice, MetaxEmuRuntime};
 
@@ -131,6 +140,7 @@ struct Totals {
     device: EmuCounters,
     collectives: u64,
     collective_host_bytes: u64,
+    host_bytes: u64,
 }
 
 /// One configuration: world size, stream-ordering rule and collectives.
@@ -140,30 +150,46 @@ struct Config {
     collectives: &'static str,
 }
 
+/// Whether a run overlaps communication with compute (FSDP's communication thread).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Overlap {
+    /// The default: prefetched all-gathers, reduce-scatters on the communication thread.
+    On,
+    /// `--no-prefetch`: every collective in-line on the compute thread.
+    Off,
+}
+
 /// Trains `steps` steps of the tiny preset in `config` and returns the counts.
-fn run(config: &Config, steps: usize) -> Result<Totals> {
+fn run(config: &Config, steps: usize, overlap: Overlap) -> Result<Totals> {
     for device in 0..config.world {
         set_stream_ordering(MetaxEmuPlatform::NAME, device, config.ordering);
     }
-    let argv = [
+    let (world, steps) = (config.world.to_string(), steps.to_string());
+    let mut argv = vec![
         "train-qwen3",
         "--device",
         "metax-emu",
         "--world-size",
-        &config.world.to_string(),
+        &world,
         "--steps",
-        &steps.to_string(),
+        &steps,
         "--in-process-collectives",
         config.collectives,
         "--quiet",
     ];
+    if overlap == Overlap::Off {
+        argv.push("--no-prefetch");
+    }
     let args = TrainArgs::parse_from_args(&argv)?;
     let setup = setup(&args)?;
     let driver = emu_driver().context("the emulated device (scripts/setup.sh installs g++)")?;
     let read = || (0..config.world).fold(EmuCounters::default(), |sum, d| sum.plus(&driver.counters(d)));
     let counts = Arc::new(CollectiveCounts::default());
     let sink = MetricsSink::new(None, true)?;
+    let host_bytes =
+        || (0..config.world).map(|d| host_bytes_of_device(MetaxEmuPlatform::NAME, d)).sum::<u64>();
     let before = read();
+    let host_before = host_bytes();
     let wrap = |group: Arc<dyn ProcessGroup<MetaxEmu>>, device: MetaxEmuDevice| {
         Arc::new(Counting { inner: group, device: device.index, counts: counts.clone() })
             as Arc<dyn ProcessGroup<MetaxEmu>>
@@ -173,6 +199,7 @@ fn run(config: &Config, steps: usize) -> Result<Totals> {
         device: read().since(&before),
         collectives: counts.calls.load(Ordering::Relaxed),
         collective_host_bytes: counts.host_bytes.load(Ordering::Relaxed),
+        host_bytes: host_bytes() - host_before,
     })
 }
 
@@ -184,21 +211,31 @@ struct PerStep {
     cross_stream_waits: f64,
     collectives: f64,
     collective_host_bytes: f64,
+    host_bytes: f64,
 }
 
 fn per_step(config: &Config, steps: usize) -> Result<PerStep> {
-    run(config, 1)?;
-    let short = run(config, 2)?;
-    let long = run(config, 2 + steps)?;
+    run(config, 1, Overlap::On)?;
+    let short = run(config, 2, Overlap::On)?;
+    let long = run(config, 2 + steps, Overlap::On)?;
     let d = long.device.since(&short.device);
     let per = |n: u64| n as f64 / (steps * config.world) as f64;
+    // The collectives' own copies, counted where nothing else runs on the calling thread's
+    // stream meanwhile (see the module docs).
+    let (short_inline, long_inline) = match config.world {
+        1 => (short, long),
+        _ => (run(config, 2, Overlap::Off)?, run(config, 2 + steps, Overlap::Off)?),
+    };
     Ok(PerStep {
         launches: per(d.launches),
         host_syncs: per(d.host_syncs),
         background_waits: per(d.background_waits),
         cross_stream_waits: per(d.cross_stream_waits),
         collectives: per(long.collectives.saturating_sub(short.collectives)),
-        collective_host_bytes: per(long.collective_host_bytes.saturating_sub(short.collective_host_bytes)),
+        collective_host_bytes: per(long_inline
+            .collective_host_bytes
+            .saturating_sub(short_inline.collective_host_bytes)),
+        host_bytes: per(long.host_bytes.saturating_sub(short.host_bytes)),
     })
 }
 
@@ -231,6 +268,7 @@ pub fn figures(steps: usize) -> Result<Vec<(String, f64)>> {
     row("cross-stream waits", &|p| p.cross_stream_waits);
     row("collectives", &|p| p.collectives);
     row("collective host bytes", &|p| p.collective_host_bytes);
+    row("host ↔ device bytes (all copies)", &|p| p.host_bytes);
     row("cross-stream waits per collective", &waits_per_collective);
     Ok(vec![
         ("w1_launches_per_step".into(), w1.launches),
