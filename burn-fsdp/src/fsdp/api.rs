@@ -22,9 +22,7 @@ use crate::fsdp::param_group::ParamGroup;
 use crate::fsdp::prefetch::{Alias, PrefetchStats, Prefetcher};
 use crate::fsdp::scope::{self, UnitHost, Views, run_unit};
 use crate::fsdp::view::{ParamView, ViewGroup};
-use crate::optim::{
-    TorchAdamW, clip_factor, clip_grads_to, grad_sq_sum_split, grad_sq_sum_tensors, standard_layout_grads,
-};
+use crate::optim::{TorchAdamW, clip_factor, clip_grads_to, grad_sq_sum_tensors, standard_layout_grads};
 use crate::runner::UnitRunner;
 use crate::walk::deferred_shape;
 

@@ -153,7 +153,9 @@ impl HostStore {
 
     /// Host → device: the concatenated shards of `ids` as one flat fp32 tensor.
     pub fn upload<B: Backend>(&self, ids: &[ParamId], device: &B::Device) -> Tensor<B, 1> {
-        let store = self.lock();
+        // Shards only: the gradient copies in flight are not waited for (a re-gather in
+        // backward would otherwise wait for the copies of the units reduced before it).
+        let store = self.params();
         let mut flat = Vec::new();
         for id in ids {
             if let Some(p) = store.get(id) {

@@ -123,7 +123,9 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         M: AutodiffModule<B>,
     {
         let norm = match self.grad_sq_sum(grads)? {
-            StepValue::Pending(t) => t.into_scalar().elem_f64(),
+            StepValue::Pending(t) => {
+                super::train_step::read_values(vec![t], "the squared gradient norm")?.into_iter().sum::<f64>()
+            }
             StepValue::Read(v) => v,
         }
         .sqrt();
@@ -135,13 +137,14 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
     /// [`clip_grad_norm`](Self::clip_grad_norm) measures it, left on the device where it can
     /// be (a one-element `f32` tensor after one all-reduce over the shard group): read it
     /// together with the step's other values ([`take_step`]). With CPU offload it is summed on
-    /// the host, and on a tensor-parallel mesh it is read between the dp and tp all-reduces.
+    /// the host; on a tensor-parallel mesh it is two values on the device (see
+    /// [`StepValue::Pending`]), after one all-reduce over dp and one over tp, with no read.
     pub fn grad_sq_sum(&self, grads: &mut GradientsParams) -> Result<StepValue<B::InnerBackend>, FsdpError>
     where
         M: AutodiffModule<B>,
     {
         if let Some(tp) = self.mesh.tensor_parallel() {
-            return self.grad_sq_sum_tp(grads, tp).map(StepValue::Read);
+            return self.grad_sq_sum_tp(grads, tp).map(StepValue::Pending);
         }
         self.quiesce();
         let device = self.mesh.device();
@@ -196,7 +199,7 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
         &self,
         grads: &mut GradientsParams,
         tp: &crate::tp::TensorParallel<B::InnerBackend>,
-    ) -> Result<f64, FsdpError>
+    ) -> Result<Tensor<B::InnerBackend, 1>, FsdpError>
     where
         M: AutodiffModule<B>,
     {
@@ -205,26 +208,26 @@ impl<B: FsdpBackend, M: Module<B>> Fsdp<B, M> {
             return Err(FsdpError::Config("CPU offload is not supported with tensor parallelism".into()));
         }
         standard_layout_grads::<B, M>(&self.module, grads);
-        let (split, rest) = grad_sq_sum_split::<B, M>(&self.module, grads, |id| tp.is_split(id));
         let device = self.mesh.device();
-        let mut sums = Tensor::<B::InnerBackend, 1>::from_data(
-            TensorData::new(vec![split as f32, rest as f32], [2]),
-            device,
-        );
+        // Each part in f32, as the host's `as f32` of the part's value (exact from f32 and
+        // bf16 gradients, the same rounding from f64).
+        let part = |t: Option<Tensor<B::InnerBackend, 1>>| match t {
+            Some(t) if t.dtype() == DType::F32 => t,
+            Some(t) => t.cast(DType::F32),
+            None => Tensor::zeros([1], (device, DType::F32)),
+        };
+        let [split, rest] = grad_sq_sum_tensors::<B, M>(&self.module, grads, |id| tp.is_split(id));
+        let mut sums = Tensor::cat(vec![part(split), part(rest)], 0);
         if self.world() > 1 {
             sums = self.shard_group().all_reduce(sums, ReduceOp::Sum, &Tag::new("clip_grad_norm"))?;
         }
-        let v = crate::downcast::f32_values(sums.into_data(), || "the squared gradient norms".into())?;
-        let (mut split, rest) = (v.first().copied().unwrap_or(0.0), v.get(1).copied().unwrap_or(0.0));
         if tp.group().size() > 1 {
-            let t = Tensor::<B::InnerBackend, 1>::from_data(TensorData::new(vec![split], [1]), device);
-            split = tp
-                .group()
-                .all_reduce(t, ReduceOp::Sum, &Tag::new("tp:clip_grad_norm"))?
-                .into_scalar()
-                .elem_f64() as f32;
+            let split = sums.clone().slice(0..1);
+            let split = tp.group().all_reduce(split, ReduceOp::Sum, &Tag::new("tp:clip_grad_norm"))?;
+            sums = Tensor::cat(vec![split, sums.slice(1..2)], 0);
         }
-        Ok(split as f64 + rest as f64)
+        // [split, rest]: the caller adds them in f64 (`StepValue::Pending`).
+        Ok(sums)
     }
 
     /// Steps `optim` on the local shards.

@@ -96,7 +96,9 @@ impl<B: FsdpBackend, M: AutodiffModule<B>> Fsdp<B, M> {
 /// pending value of a step in one device → host copy.
 #[derive(Debug, Clone)]
 pub enum StepValue<B: Backend> {
-    /// A one-element tensor on the device, not read yet.
+    /// A tensor on the device, not read yet, whose value is the sum of its elements taken on
+    /// the host in `f64`, in order: one element for most parts; tensor parallelism hands over
+    /// its two partial sums (split and replicated parameters), which it added in `f64`.
     Pending(Tensor<B, 1>),
     /// A value already on the host (computed there, e.g. from offloaded gradients).
     Read(f64),
@@ -204,6 +206,10 @@ pub fn take_step<P: StepParts>(
     if let StepValue::Pending(t) = &sq_sum {
         pending.push(t.clone());
     }
+    let sq_sum_len = match &sq_sum {
+        StepValue::Pending(t) => t.dims()[0],
+        StepValue::Read(_) => 0,
+    };
     let mut values = read_values(pending, "the step's losses and gradient norm")?.into_iter();
     // As the losses were summed before: on the host, in f64, micro-batch by micro-batch.
     let local: f64 = values.by_ref().take(micro_batches).sum();
@@ -212,7 +218,8 @@ pub fn take_step<P: StepParts>(
         None => local,
     };
     let grad_norm = match sq_sum {
-        StepValue::Pending(_) => values.next().unwrap_or(f64::NAN),
+        StepValue::Pending(_) if sq_sum_len > 0 => values.by_ref().take(sq_sum_len).sum::<f64>(),
+        StepValue::Pending(_) => f64::NAN,
         StepValue::Read(v) => v,
     }
     .sqrt();
@@ -241,7 +248,7 @@ pub fn take_step<P: StepParts>(
 /// The values of one-dimensional tensors, in order, as `f64` in **one** device → host read:
 /// they are concatenated in `f64` when one of them is `f64`, else in `f32` (exact for `f32`,
 /// `bf16` and `f16`). An error names `what`.
-fn read_values<B: Backend>(tensors: Vec<Tensor<B, 1>>, what: &str) -> Result<Vec<f64>, FsdpError> {
+pub(crate) fn read_values<B: Backend>(tensors: Vec<Tensor<B, 1>>, what: &str) -> Result<Vec<f64>, FsdpError> {
     let dtype = if tensors.iter().any(|t| t.dtype() == DType::F64) { DType::F64 } else { DType::F32 };
     let all = Tensor::cat(tensors.into_iter().map(|t| t.cast(dtype)).collect(), 0);
     let data = all.into_data();
