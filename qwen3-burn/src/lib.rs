@@ -20,4 +20,4 @@ pub mod trainer;
 pub use config::Qwen3Config;
 pub use error::{Qwen3Error, Result};
 pub use init::Qwen3Init;
-pub use model::{KvCache, Qwen3};
+pub use model::{KvCache, Qwen3, RopeCache};

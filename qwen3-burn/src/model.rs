@@ -178,6 +178,105 @@ impl<B: Backend> Rope<B> {
     }
 }
 
+/// The rotary tables a model has built, kept on their device for the next forward.
+///
+/// The tables depend only on the positions, the head width, the base frequency, the backend
+/// and the device, so a model that trains on sequences of one length builds them once: every
+/// later forward finds them here instead of computing `2 · len · head_dim` sines and cosines
+/// on the host and uploading them (on a GPU, a host → device copy per forward: 1 MiB at
+/// Qwen3-0.6B with 1 024 positions). Only tables that start at position 0 are kept (training and
+/// a prompt's prefill); incremental decoding builds its one-position tables as it goes. At most
+/// [`RopeCache::CAPACITY`] are kept, the least recently used dropped first.
+///
+/// Clones share the cache: a model moved to another device, or its inner model under
+/// autodiff, looks up its own backend's tables on its own device.
+#[derive(Clone, Default)]
+pub struct RopeCache {
+    entries: std::sync::Arc<std::sync::Mutex<Vec<RopeEntry>>>,
+}
+
+/// One kept pair of tables: what they were built for and, type-erased, `(device, Rope<B>)`.
+struct RopeEntry {
+    backend: std::any::TypeId,
+    head_dim: usize,
+    theta: u64,
+    len: usize,
+    tables: Box<dyn std::any::Any + Send + Sync>,
+}
+
+impl RopeCache {
+    /// The most tables kept (sequence lengths × devices × backends).
+    pub const CAPACITY: usize = 16;
+
+    /// The tables for positions `offset..offset + len` on `device`: kept ones when `offset`
+    /// is 0 and they were built before, otherwise built (and kept when `offset` is 0).
+    pub fn get<B: Backend>(
+        &self,
+        head_dim: usize,
+        theta: f64,
+        offset: usize,
+        len: usize,
+        device: &B::Device,
+    ) -> Rope<B> {
+        if offset != 0 {
+            return Rope::new(head_dim, theta, offset, len, device);
+        }
+        let backend = std::any::TypeId::of::<B>();
+        let theta_bits = theta.to_bits();
+        let matches = |e: &RopeEntry| {
+            e.backend == backend
+                && e.head_dim == head_dim
+                && e.theta == theta_bits
+                && e.len == len
+                && e.tables.downcast_ref::<(B::Device, Rope<B>)>().is_some_and(|(d, _)| d == device)
+        };
+        {
+            let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(at) = entries.iter().position(matches) {
+                // Most recently used last.
+                let entry = entries.remove(at);
+                let rope = entry.tables.downcast_ref::<(B::Device, Rope<B>)>().map(|(_, r)| r.clone());
+                entries.push(entry);
+                if let Some(rope) = rope {
+                    return rope;
+                }
+            }
+        }
+        // Built outside the lock: ranks on other devices need not wait for it.
+        let rope = Rope::new(head_dim, theta, 0, len, device);
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        if !entries.iter().any(matches) {
+            if entries.len() >= Self::CAPACITY {
+                entries.remove(0);
+            }
+            entries.push(RopeEntry {
+                backend,
+                head_dim,
+                theta: theta_bits,
+                len,
+                tables: Box::new((device.clone(), rope.clone())),
+            });
+        }
+        rope
+    }
+
+    /// How many tables are kept.
+    pub fn len(&self) -> usize {
+        self.entries.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Whether no table is kept.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl std::fmt::Debug for RopeCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RopeCache").field("tables", &self.len()).finish()
+    }
+}
+
 /// Keys and values of earlier positions, per layer, for incremental decoding.
 #[derive(Debug, Clone, Default)]
 pub struct KvCache<B: Backend> {
@@ -426,6 +525,9 @@ pub struct Qwen3<B: Backend> {
     pub rope_theta: f64,
     /// Width of one attention head.
     pub head_dim: usize,
+    /// The rotary tables built so far (not a parameter, not in the record).
+    #[module(skip)]
+    pub rope_cache: RopeCache,
 }
 
 impl<B: Backend> Qwen3<B> {
@@ -500,6 +602,7 @@ impl<B: Backend> Qwen3<B> {
                 .then(|| Linear::new("lm_head", c.hidden_size, c.vocab_size, w, device)),
             rope_theta: c.rope_theta,
             head_dim: c.head_dim,
+            rope_cache: RopeCache::default(),
         }
     }
 
@@ -585,7 +688,7 @@ impl<B: Backend> Qwen3<B> {
         let device = ids.device();
         let [_, t] = ids.dims();
         let past = cache.as_ref().map_or(0, |c| c.len());
-        let rope = Rope::new(self.head_dim, self.rope_theta, past, t, &device);
+        let rope = self.rope_cache.get(self.head_dim, self.rope_theta, past, t, &device);
         let mut x = self.model.embed_tokens.forward(ids);
         for (i, layer) in self.model.layers.iter().enumerate() {
             x = match (hooks, cache.as_deref_mut()) {
@@ -634,5 +737,69 @@ impl Weights {
             Weights::BackendRng => Param::from_tensor(Tensor::ones([dim], device)),
             Weights::Seeded(init) => init.param(name, [dim], device),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::{Autodiff, NdArray};
+
+    fn values<B: Backend>(rope: &Rope<B>) -> (Vec<f32>, Vec<f32>) {
+        let v = |t: &Tensor<B, 4>| t.clone().into_data().to_vec::<f32>().expect("f32 tables");
+        (v(&rope.cos), v(&rope.sin))
+    }
+
+    #[test]
+    fn the_rope_cache_keeps_tables_from_position_zero_and_gives_the_same_values() {
+        let device = Default::default();
+        let cache = RopeCache::default();
+        let built = Rope::<NdArray>::new(16, 1e4, 0, 8, &device);
+        let first = cache.get::<NdArray>(16, 1e4, 0, 8, &device);
+        let again = cache.get::<NdArray>(16, 1e4, 0, 8, &device);
+        assert_eq!(cache.len(), 1, "one length, one pair of tables");
+        assert_eq!(values(&first), values(&built));
+        assert_eq!(values(&again), values(&built));
+        // Another length, theta, width or backend is its own entry.
+        cache.get::<NdArray>(16, 1e4, 0, 5, &device);
+        cache.get::<NdArray>(16, 1e6, 0, 5, &device);
+        cache.get::<NdArray>(8, 1e6, 0, 5, &device);
+        cache.get::<Autodiff<NdArray>>(8, 1e6, 0, 5, &device);
+        assert_eq!(cache.len(), 5);
+        // Decoding positions are built each time and not kept.
+        let later = cache.get::<NdArray>(16, 1e4, 3, 2, &device);
+        assert_eq!(values(&later), values(&Rope::<NdArray>::new(16, 1e4, 3, 2, &device)));
+        assert_eq!(cache.len(), 5);
+    }
+
+    #[test]
+    fn the_rope_cache_drops_the_least_recently_used_past_its_capacity() {
+        let device = Default::default();
+        let cache = RopeCache::default();
+        for len in 1..=RopeCache::CAPACITY {
+            cache.get::<NdArray>(4, 1e4, 0, len, &device);
+        }
+        // Length 1 used again: length 2 is now the oldest.
+        cache.get::<NdArray>(4, 1e4, 0, 1, &device);
+        cache.get::<NdArray>(4, 1e4, 0, 100, &device);
+        assert_eq!(cache.len(), RopeCache::CAPACITY);
+        let lens: Vec<usize> = cache.entries.lock().unwrap().iter().map(|e| e.len).collect();
+        assert!(lens.contains(&1) && !lens.contains(&2) && lens.contains(&100), "{lens:?}");
+    }
+
+    #[test]
+    fn a_model_builds_its_rope_tables_once_per_length_and_its_logits_do_not_change() {
+        let c = Qwen3Config { num_hidden_layers: 1, ..Qwen3Config::tiny() };
+        let device = Default::default();
+        let model = c.init::<NdArray>(&device);
+        let ids = Tensor::<NdArray, 2, Int>::from_ints([[1, 2, 3, 4]], &device);
+        let first = model.forward(ids.clone()).into_data();
+        assert_eq!(model.rope_cache.len(), 1);
+        let second = model.forward(ids.clone()).into_data();
+        assert_eq!(model.rope_cache.len(), 1);
+        assert_eq!(first, second);
+        // A model with an empty cache (as before the cache) gives the same bits.
+        let fresh = Qwen3 { rope_cache: RopeCache::default(), ..model.clone() };
+        assert_eq!(fresh.forward(ids).into_data(), first);
     }
 }

@@ -114,7 +114,15 @@ pub fn chunked_cross_entropy<B: LossBackend>(
         let h_t = h_c.clone().transpose();
         let mut logits: Vec<_> =
             blocks.iter().map(|(_, w_b)| w_b.clone().matmul(h_t.clone()).transpose()).collect();
-        let logits = if logits.len() == 1 { logits.remove(0) } else { Tensor::cat(logits, 1) };
+        // A single block is taken as it is (a transposed view) off the CPU backends. On them
+        // it is still concatenated, which makes it contiguous: NdArray's reductions below
+        // add a transposed tensor's rows in another order, and taking the view changed its
+        // training trajectories in the last bits.
+        let logits = if logits.len() == 1 && !on_cpu_backend::<B::InnerBackend>() {
+            logits.remove(0)
+        } else {
+            Tensor::cat(logits, 1)
+        };
         let logits = f32(logits);
         let shifted = logits.clone() - logits.max_dim(1);
         let exp = shifted.clone().exp();
@@ -463,12 +471,16 @@ const HEAD_BLOCK_ROWS: usize = 4096;
 /// assert_eq!(head_block_rows::<Flex>(1000), 1000);
 /// ```
 pub fn head_block_rows<B: Backend>(vocab: usize) -> usize {
+    let vocab = vocab.max(1);
+    if on_cpu_backend::<B>() { HEAD_BLOCK_ROWS.min(vocab) } else { vocab }
+}
+
+/// Whether `B` is one of Burn's CPU backends (Flex, NdArray), by its float tensor type.
+fn on_cpu_backend<B: Backend>() -> bool {
     use std::any::TypeId;
     let float = TypeId::of::<B::FloatTensorPrimitive>();
-    let on_cpu = float == TypeId::of::<burn::backend::flex::FlexTensor>()
-        || float == TypeId::of::<burn::backend::ndarray::NdArrayTensor>();
-    let vocab = vocab.max(1);
-    if on_cpu { HEAD_BLOCK_ROWS.min(vocab) } else { vocab }
+    float == TypeId::of::<burn::backend::flex::FlexTensor>()
+        || float == TypeId::of::<burn::backend::ndarray::NdArrayTensor>()
 }
 
 /// A chunk size for [`chunked_cross_entropy`] that keeps each `[chunk, vocab]` f32 piece

@@ -209,7 +209,8 @@ fn step_profile_child() {
 /// with device collectives no collective copies a byte through the host, where host collectives
 /// (the "before" column, measured in the same run) copy megabytes — so the counter sees such
 /// bytes when there are any; and ordering by need makes far fewer cross-stream waits than the
-/// all-streams rule, at most 2 per collective; and a step waits on the host for the device once.
+/// all-streams rule, at most 2 per collective; a step waits on the host for the device once;
+/// and a step copies no more than its batch and its values between host and device.
 #[test]
 fn the_step_profile_counts_no_collective_byte_through_the_host() {
     let out = std::process::Command::new(std::env::current_exe().unwrap())
@@ -251,4 +252,13 @@ fn the_step_profile_counts_no_collective_byte_through_the_host() {
     }
     // The counter sees the syncs there are: host collectives read every gradient back.
     assert!(figure("w4_before_host_syncs_per_step") > 10.0);
+    // What a step copies between host and device, per rank: its batch (the preset's 2 rows of
+    // 64 token ids and as many labels, at most 8 bytes each) and its one read of the step's
+    // values, under 1 KiB. The rotary tables (2 · 64 positions · 32 wide · 4 bytes = 16 KiB,
+    // uploaded every forward before the model kept them) must not come back.
+    let batch = 2.0 * 2.0 * 64.0 * 8.0;
+    for w in ["w1", "w4"] {
+        let bytes = figure(&format!("{w}_host_bytes_per_step"));
+        assert!(bytes > 0.0 && bytes <= batch + 1024.0, "{w}: {bytes} host <-> device bytes per step");
+    }
 }

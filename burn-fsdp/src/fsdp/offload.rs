@@ -18,8 +18,12 @@
 //! reduce-scatter has been issued, and the host waits for the copies only when it next needs
 //! the stored gradients (the optimizer step, the norm, a checkpoint), in the order they were
 //! queued — FSDP2's non-blocking device → host copies, synchronised before the optimizer step.
+//! Until then the device keeps each unit's reduced shard gradient (at most the rank's shard of
+//! all gradients, 1/W of them), as FSDP2 keeps its device gradients until its copies are
+//! synchronised at the end of backward.
 //! On a backend whose read completes at once (the CPU backends) the gradient is stored at
-//! once.
+//! once. A copy that fails panics where the store is next read (the step), with the message a
+//! failed copy in backward gave before.
 
 use std::collections::HashMap;
 use std::sync::Mutex;

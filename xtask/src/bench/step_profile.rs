@@ -3,7 +3,8 @@
 //!
 //! The tiny Qwen3 preset trains at FSDP W = 1 and at W = 4 (in-process ranks, rank `r` on
 //! emulated device `r`), each configuration in three runs: one warm-up step (kernels compiled,
-//! memory pools filled), then `2` and `2 + steps` steps. A figure per step is the difference of
+//! memory pools filled), then `2` and `2 + steps` steps (at W = 4 two more with `--no-prefetch`,
+//! for the collective host bytes: see below). A figure per step is the difference of
 //! the last two runs' counts over `steps`: steps 3..N of a run, with no boundary between steps to
 //! guess. Counts are per rank (per device), averaged over the ranks.
 //!
@@ -26,7 +27,9 @@
 //! same order, on the same tensors (the results are bit-identical with and without prefetch).
 //!
 //! `host ↔ device bytes (all copies)` is every read and write of the step by any stream, for
-//! scale: the batch, the rotary tables, the step's one read.
+//! scale: the batch (ids and labels) and the step's one read of its values. The rotary tables
+//! are built and uploaded once per model and sequence length (`qwen3_burn::RopeCache`), in the
+//! first step, which is not counted.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -199,7 +202,7 @@ fn run(config: &Config, steps: usize, overlap: Overlap) -> Result<Totals> {
         device: read().since(&before),
         collectives: counts.calls.load(Ordering::Relaxed),
         collective_host_bytes: counts.host_bytes.load(Ordering::Relaxed),
-        host_bytes: host_bytes() - host_before,
+        host_bytes: host_bytes().saturating_sub(host_before),
     })
 }
 
@@ -278,6 +281,8 @@ pub fn figures(steps: usize) -> Result<Vec<(String, f64)>> {
         ("w1_background_waits_per_step".into(), w1.background_waits),
         ("w4_background_waits_per_step".into(), after.background_waits),
         ("w4_collective_host_bytes_per_step".into(), after.collective_host_bytes),
+        ("w1_host_bytes_per_step".into(), w1.host_bytes),
+        ("w4_host_bytes_per_step".into(), after.host_bytes),
         ("w4_cross_stream_waits_per_collective".into(), waits_per_collective(&after)),
         ("w4_before_host_syncs_per_step".into(), before.host_syncs),
         ("w4_before_collective_host_bytes_per_step".into(), before.collective_host_bytes),
