@@ -209,10 +209,8 @@ fn add_head_gradient<B: Backend>(
 /// GPU a fill kernel, where a zeroed host vector would be a head-sized upload per step
 /// (600 MiB at Qwen3-0.6B's vocabulary).
 fn zeros_like_head<B: Backend>(shape: [usize; 2], dtype: DType, device: &B::Device) -> Tensor<B, 2> {
-    let on_flex = std::any::TypeId::of::<B::FloatTensorPrimitive>()
-        == std::any::TypeId::of::<burn::backend::flex::FlexTensor>();
     match dtype {
-        DType::F32 if on_flex => {
+        DType::F32 if floats_are::<B, burn::backend::flex::FlexTensor>() => {
             Tensor::from_data(TensorData::new(vec![0f32; shape[0] * shape[1]], shape), device)
         }
         DType::F32 => Tensor::zeros(shape, device),
@@ -477,10 +475,13 @@ pub fn head_block_rows<B: Backend>(vocab: usize) -> usize {
 
 /// Whether `B` is one of Burn's CPU backends (Flex, NdArray), by its float tensor type.
 fn on_cpu_backend<B: Backend>() -> bool {
-    use std::any::TypeId;
-    let float = TypeId::of::<B::FloatTensorPrimitive>();
-    float == TypeId::of::<burn::backend::flex::FlexTensor>()
-        || float == TypeId::of::<burn::backend::ndarray::NdArrayTensor>()
+    floats_are::<B, burn::backend::flex::FlexTensor>()
+        || floats_are::<B, burn::backend::ndarray::NdArrayTensor>()
+}
+
+/// Whether `B`'s float tensor primitive is `T`.
+fn floats_are<B: Backend, T: 'static>() -> bool {
+    std::any::TypeId::of::<B::FloatTensorPrimitive>() == std::any::TypeId::of::<T>()
 }
 
 /// A chunk size for [`chunked_cross_entropy`] that keeps each `[chunk, vocab]` f32 piece

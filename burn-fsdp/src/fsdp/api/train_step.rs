@@ -206,10 +206,6 @@ pub fn take_step<P: StepParts>(
     if let StepValue::Pending(t) = &sq_sum {
         pending.push(t.clone());
     }
-    let sq_sum_len = match &sq_sum {
-        StepValue::Pending(t) => t.dims()[0],
-        StepValue::Read(_) => 0,
-    };
     let mut values = read_values(pending, "the step's losses and gradient norm")?.into_iter();
     // As the losses were summed before: on the host, in f64, micro-batch by micro-batch.
     let local: f64 = values.by_ref().take(micro_batches).sum();
@@ -218,8 +214,10 @@ pub fn take_step<P: StepParts>(
         None => local,
     };
     let grad_norm = match sq_sum {
-        StepValue::Pending(_) if sq_sum_len > 0 => values.by_ref().take(sq_sum_len).sum::<f64>(),
-        StepValue::Pending(_) => f64::NAN,
+        StepValue::Pending(t) => match t.dims()[0] {
+            0 => f64::NAN,
+            parts => values.by_ref().take(parts).sum::<f64>(),
+        },
         StepValue::Read(v) => v,
     }
     .sqrt();
