@@ -9,7 +9,10 @@
 //!   read stale data;
 //! - 3: wave 64, for the kernel that faults (a fault poisons its device);
 //! - 4–7: wave 64, one per stream-ordering test, each under the rule it tests (the rule is set
-//!   per device: tests run in parallel).
+//!   per device: tests run in parallel);
+//! - 8: wave 64, for a read queued behind a held stream;
+//! - 9: wave 64 with a 40 ms delay before every kernel, and 10: wave 64, for the kernel timers
+//!   (`runtime::set_kernel_timing`, per device).
 
 mod gpu_checks;
 
@@ -20,7 +23,8 @@ use burn::tensor::{Tensor, TensorData};
 use burn_metax_backend::driver::StreamHandle;
 use burn_metax_backend::emu::{EmuConfig, EmuDeviceConfig, EmuDriver};
 use burn_metax_backend::runtime::{
-    MetaxEmuPlatform, Platform, StreamOrdering, emu_driver, install_emu_driver, registry, set_stream_ordering,
+    KernelTime, MetaxEmuPlatform, Platform, StreamOrdering, emu_driver, install_emu_driver, registry,
+    set_kernel_timing, set_stream_ordering, take_kernel_time,
 };
 use burn_metax_backend::{MetaxEmu, MetaxEmuDevice, MetaxEmuRuntime};
 use cubecl_core as cubecl;
@@ -41,14 +45,20 @@ const BY_NEED_OVERLAP: MetaxEmuDevice = MetaxEmuDevice::new(6);
 const ALL_STREAMS: MetaxEmuDevice = MetaxEmuDevice::new(7);
 /// A read queued behind a held stream.
 const QUEUED_READ: MetaxEmuDevice = MetaxEmuDevice::new(8);
+/// Kernel timing on a device whose kernels take 40 ms each.
+const TIMED_SLOW: MetaxEmuDevice = MetaxEmuDevice::new(9);
+const TIMED_DELAY: Duration = Duration::from_millis(40);
+/// Kernel timing on a device that waits for the host.
+const TIMED_IDLE: MetaxEmuDevice = MetaxEmuDevice::new(10);
 
 fn setup() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         let mut config =
-            EmuConfig::uniform(9, EmuDeviceConfig { memory_bytes: 2 << 30, ..Default::default() });
+            EmuConfig::uniform(11, EmuDeviceConfig { memory_bytes: 2 << 30, ..Default::default() });
         config.devices[1].warp_size = 32;
         config.devices[2].launch_delay = LAUNCH_DELAY;
+        config.devices[TIMED_SLOW.index].launch_delay = TIMED_DELAY;
         config.wait_timeout = Duration::from_secs(120);
         let driver =
             EmuDriver::new(config).expect("the emulated device needs g++ or clang++ (scripts/setup.sh)");
@@ -516,5 +526,68 @@ fn under_the_all_streams_rule_compute_waits_for_every_stream() {
     assert!(
         !compute_beside_a_held_stream(ALL_STREAMS, Duration::from_secs(1)),
         "under the all-streams rule, the compute did not wait for the held stream"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernel time by the device's timers (`runtime::set_kernel_timing`)
+
+/// Launches `n` element-wise kernels on `device` with kernel timing on, `pause` of host time
+/// after each, then reads the result. Returns what the timers measured, the launches the
+/// device ran meanwhile, and the wall time from the first launch to the end of the read.
+fn timed_launches(device: MetaxEmuDevice, n: usize, pause: Duration) -> (KernelTime, u64, Duration) {
+    setup();
+    let driver = emu_driver().expect("driver");
+    let x = Tensor::<MetaxEmu, 1>::ones([1024], &device);
+    // Compiled and on the device before the timers start.
+    let _ = x.clone().add_scalar(1.0).into_data();
+    assert!(!set_kernel_timing(MetaxEmuPlatform::NAME, device.index, true));
+    let before = driver.counters(device.index);
+    let start = std::time::Instant::now();
+    let mut y = x;
+    for _ in 0..n {
+        y = y.add_scalar(1.0);
+        std::thread::sleep(pause);
+    }
+    let values = y.into_data().to_vec::<f32>().expect("f32");
+    let wall = start.elapsed();
+    assert_eq!(values, vec![1.0 + n as f32; 1024]);
+    let launched = driver.counters(device.index).since(&before).launches;
+    let time = take_kernel_time(MetaxEmuPlatform::NAME, device.index).expect("kernel time");
+    assert!(set_kernel_timing(MetaxEmuPlatform::NAME, device.index, false));
+    (time, launched, wall)
+}
+
+/// Every launch is timed, and its time is the device's: on a device whose kernels take 40 ms
+/// each, the kernel time of n launches is at least n × 40 ms, and at most the wall time.
+/// With the switch off, nothing more is timed.
+#[test]
+fn kernel_time_counts_each_launch_and_its_device_time() {
+    let (time, launched, wall) = timed_launches(TIMED_SLOW, 5, Duration::ZERO);
+    assert!(launched >= 5, "{launched} launches");
+    assert_eq!((time.launches, time.untimed), (launched, 0), "{time:?}");
+    let floor = launched as f64 * TIMED_DELAY.as_secs_f64() * 1e3;
+    assert!(
+        time.busy_ms >= floor && time.busy_ms <= wall.as_secs_f64() * 1e3,
+        "kernel time {time:?}: expected between {floor} ms and the wall time {wall:?}"
+    );
+    // Off: launches go untimed and uncounted.
+    let _ = Tensor::<MetaxEmu, 1>::ones([16], &TIMED_SLOW).add_scalar(1.0).into_data();
+    let after = take_kernel_time(MetaxEmuPlatform::NAME, TIMED_SLOW.index).expect("kernel time");
+    assert_eq!(after, KernelTime::default());
+}
+
+/// The time the device waits for the host is not kernel time: with 100 ms of host time after
+/// each of 5 short launches, the device is busy for a small part of the wall time (a timer
+/// pair around the whole sequence would give more than 400 ms).
+#[test]
+fn kernel_time_leaves_out_the_time_the_device_waits_for_the_host() {
+    let (time, launched, wall) = timed_launches(TIMED_IDLE, 5, Duration::from_millis(100));
+    assert_eq!((time.launches, time.untimed), (launched, 0), "{time:?}");
+    assert!(wall >= Duration::from_millis(500), "{wall:?}");
+    assert!(time.busy_ms > 0.0, "{time:?}");
+    assert!(
+        time.busy_ms < 0.2 * wall.as_secs_f64() * 1e3,
+        "kernel time {time:?} of a device idle most of {wall:?}"
     );
 }

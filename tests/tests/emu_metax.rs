@@ -210,7 +210,8 @@ fn step_profile_child() {
 /// (the "before" column, measured in the same run) copy megabytes — so the counter sees such
 /// bytes when there are any; and ordering by need makes far fewer cross-stream waits than the
 /// all-streams rule, at most 2 per collective; a step waits on the host for the device once;
-/// and a step copies no more than its batch and its values between host and device.
+/// a step copies no more than its batch and its values between host and device; and the
+/// kernel timers time every launch of a step.
 #[test]
 fn the_step_profile_counts_no_collective_byte_through_the_host() {
     let out = std::process::Command::new(std::env::current_exe().unwrap())
@@ -243,6 +244,10 @@ fn the_step_profile_counts_no_collective_byte_through_the_host() {
     // tensor work on the compute thread's stream; on a stream of its own it made 6.2.
     assert!(after <= 2.0, "{after} cross-stream waits per collective, over the target of 2");
     assert!(figure("w4_launches_per_step") > 0.0 && figure("w1_launches_per_step") > 0.0);
+    // The device's kernel timers (gpu-bench's kernel share on a GPU) time every launch of a
+    // training step.
+    assert_eq!(figure("w1_timed_launches_per_step"), figure("w1_launches_per_step"));
+    assert!(figure("w1_kernel_ms_per_step") > 0.0);
     // One host sync per step: the step's single read of its losses and norm (take_step). The
     // launches' staging buffers are released without waiting, and the loss's backward does not
     // read its incoming gradient; a wait or read added back inside the step fails this.
@@ -261,4 +266,48 @@ fn the_step_profile_counts_no_collective_byte_through_the_host() {
         let bytes = figure(&format!("{w}_host_bytes_per_step"));
         assert!(bytes > 0.0 && bytes <= batch + 1024.0, "{w}: {bytes} host <-> device bytes per step");
     }
+}
+
+/// `cargo xtask gpu-bench --device metax-emu`: every figure the GPU run prints is produced on the
+/// emulated device (the tiny preset, a few tokens: the figures say nothing of a GPU's speed),
+/// among them the kernel share from the device's own timers, so that the GPU run's code is
+/// exercised before a GPU is lent. (The timers are per device: other tests' kernels on the same
+/// emulated device meanwhile are counted too, so only the figures' presence is checked here;
+/// `emu_device.rs` checks what the timers measure.)
+#[test]
+fn gpu_bench_prints_every_figure_on_the_emulated_device() {
+    use xtask::gpu_bench::{BenchDevice, GpuBenchArgs, run};
+
+    let _one = ONE_RUN.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("gpu-bench.txt");
+    let args = GpuBenchArgs {
+        device: BenchDevice::MetaxEmu,
+        preset: "tiny".into(),
+        batch: 1,
+        seq: 16,
+        steps: 2,
+        // A peak of 0.1 GFLOP/s, so that the emulated device's MFU shows in four decimals.
+        peak_tflops: 1e-4,
+        out: Some(out.clone()),
+        variants: vec!["cuda_proxy".into(), "f32".into()],
+    };
+    assert!(run(&args).unwrap(), "the emulated device is always there");
+    let text = std::fs::read_to_string(&out).unwrap();
+    let figure = |name: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}: ")))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
+    };
+    for run in ["metax_emu_fsdp_w1_bf16", "metax_emu_no_fsdp_f32", "metax_emu_fsdp_w1_f32"] {
+        for name in ["tokens_per_sec", "launches_per_step", "kernel_ms_per_step", "step_ms", "kernel_share"] {
+            let value = figure(&format!("{run}_{name}"));
+            assert!(value > 0.0 && value.is_finite(), "{run}_{name}: {value}\n{text}");
+        }
+    }
+    assert!(figure("metax_emu_fsdp_w1_bf16_mfu") > 0.0);
+    assert!(figure("fsdp_w1_vs_no_fsdp_tokens_per_sec_ratio") > 0.0);
+    // Burn's CUDA backend has no run on this device.
+    assert!(!text.contains("burn_cuda"), "{text}");
 }

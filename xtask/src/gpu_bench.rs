@@ -6,11 +6,19 @@
 //! both under Burn's kernel fusion.
 //!
 //! Run by `scripts/gpu-check.sh` from the GPU pack; where no CUDA device is present it says so
-//! and exits with status 3. A variant that fails (an error or a panic in a kernel) prints
+//! and exits with status 3. `--device metax` runs our server's variants on a MetaX GPU instead,
+//! and `--device metax-emu` on the emulated MetaX device (a CPU: its figures say nothing of a
+//! GPU's speed; CI runs it so that every line the GPU run prints is produced and checked). A variant that fails (an error or a panic in a kernel) prints
 //! `name: failed (why)` and the others still run; the command then exits non-zero.
 //!
 //! MFU = 6 · Ψ · tokens / time / peak, with `--peak-tflops` the device's dense peak for the
 //! dtype (H200 SXM: 989 TFLOPS bf16, 67 TFLOPS fp32 without TF32).
+//!
+//! For the proxy's runs, one more step runs with the device's kernel timers on (a timing event
+//! before and after each launch, `burn_metax_backend::runtime::set_kernel_timing`), and
+//! `{run}_kernel_share` is that step's kernel time over the timed steps' mean wall time: the
+//! share of a step the device spends in kernels, the rest being time it waits for the host.
+//! Collective libraries' own kernels and copies are not in it (none at W = 1).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -22,13 +30,59 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_fsdp::{DeviceMesh, Fsdp, FsdpConfig, LocalGroup, MixedPrecisionPolicy, ProcessGroup};
+#[cfg(feature = "cuda-proxy")]
+use burn_metax_backend::runtime::CudaProxyPlatform;
+use burn_metax_backend::runtime::{
+    KernelTime, MacaPlatform, MetaxEmuPlatform, Platform, set_kernel_timing, take_kernel_time,
+};
+#[cfg(feature = "cuda-proxy")]
 use burn_metax_backend::{CudaProxy, CudaProxyDevice, CudaProxyRuntime};
+use burn_metax_backend::{MacaRuntime, Metax, MetaxDevice, MetaxEmu, MetaxEmuDevice, MetaxEmuRuntime};
 use qwen3_burn::Qwen3Config;
 use qwen3_burn::train::{cross_entropy, inputs_and_labels};
+
+/// Where the runs of our server go (`--device`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchDevice {
+    /// An NVIDIA GPU through the MetaX runtime's CUDA proxy (builds with feature `cuda-proxy`).
+    CudaProxy,
+    /// A MetaX GPU (the MACA runtime, loaded at run time).
+    Metax,
+    /// The emulated MetaX device (kernels run on the CPU).
+    MetaxEmu,
+}
+
+impl BenchDevice {
+    /// The prefix of the device's figures: `cuda_proxy`, `metax` or `metax_emu`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::CudaProxy => "cuda_proxy",
+            Self::Metax => "metax",
+            Self::MetaxEmu => "metax_emu",
+        }
+    }
+
+    /// `Err` when the build lacks the device; `Ok(Err(why))` when the machine has none.
+    fn available(self) -> Result<std::result::Result<(), String>> {
+        let found = match self {
+            #[cfg(feature = "cuda-proxy")]
+            Self::CudaProxy => CudaProxyRuntime::first_device().map(|_| ()),
+            #[cfg(not(feature = "cuda-proxy"))]
+            Self::CudaProxy => bail!("--device cuda-proxy: not in this build (needs feature cuda-proxy)"),
+            Self::Metax => MacaRuntime::first_device().map(|_| ()),
+            Self::MetaxEmu => MetaxEmuRuntime::first_device().map(|_| ()),
+        };
+        Ok(found.map_err(|e| e.to_string()))
+    }
+}
 
 /// Arguments of `gpu-bench`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct GpuBenchArgs {
+    /// The device of our server's runs (`cuda_proxy*` in `--variants`, named after the device
+    /// in the figures). Burn's CUDA runs need `cuda-proxy`.
+    #[arg(long, value_enum, default_value = "cuda-proxy")]
+    pub device: BenchDevice,
     /// Model shapes (a `--preset` of train-qwen3).
     #[arg(long, default_value = "0.6b")]
     pub preset: String,
@@ -47,10 +101,10 @@ pub struct GpuBenchArgs {
     /// Write the figures (`name: value` lines) to this file as well.
     #[arg(long)]
     pub out: Option<std::path::PathBuf>,
-    /// Which runs to measure, comma-separated: `cuda_proxy`, `burn_cuda`, `cuda_proxy_fused`,
-    /// `burn_cuda_fused` (FSDP W = 1, bf16 each) and `f32` (the proxy without FSDP and with
-    /// FSDP at W = 1, f32). All by default; the two `burn_cuda*` and the fused ones need a
-    /// build with `burn-cuda`.
+    /// Which runs to measure, comma-separated: `cuda_proxy` (our server on `--device`),
+    /// `burn_cuda`, `cuda_proxy_fused`, `burn_cuda_fused` (FSDP W = 1, bf16 each) and `f32` (our
+    /// server without FSDP and with FSDP at W = 1, f32). All by default; the two `burn_cuda*`
+    /// and the fused ones need a build with `burn-cuda`.
     #[arg(
         long,
         value_delimiter = ',',
@@ -68,11 +122,19 @@ pub const VARIANTS: [&str; 5] = ["cuda_proxy", "burn_cuda", "cuda_proxy_fused", 
 struct Timing {
     warmup_s: f64,
     step_s: f64,
+    /// The device's kernel time in one more step, timed by the device's own timers
+    /// (`burn_metax_backend::runtime::take_kernel_time`); our backends only.
+    kernels: Option<KernelTime>,
 }
 
-/// Where one variant runs: its name in the figures, and a function timing its steps.
+/// Whose kernel timers a run reads: a platform's name and the device ordinal.
+type Timers = Option<(&'static str, usize)>;
+
+/// Where one variant runs: its key in `--variants`, its name in the figures, and a function
+/// timing its steps.
 struct Variant {
-    name: &'static str,
+    key: &'static str,
+    name: String,
     time: fn(&Qwen3Config, &GpuBenchArgs, Option<MixedPrecisionPolicy>) -> Result<Timing>,
 }
 
@@ -89,13 +151,16 @@ fn tokens<B: Backend>(
 }
 
 /// Seconds of the warm-up (model init and one step, which also autotunes) and per step of
-/// `steps` timed steps after it, on backend `B` at `device`: no FSDP (`fsdp` = None) or FSDP over one rank with `mp` mixed
-/// precision.
+/// `steps` timed steps after it, on backend `B` at `device`: no FSDP (`fsdp` = None) or FSDP
+/// over one rank with `mp` mixed precision. With `timers`, one more step runs with the
+/// device's kernel timers on (two events per launch cost host time, so that step is not among
+/// the timed ones) and its kernel time is returned.
 fn time_steps<B: Backend>(
     device: B::Device,
     config: &Qwen3Config,
     args: &GpuBenchArgs,
     fsdp: Option<MixedPrecisionPolicy>,
+    timers: Timers,
 ) -> Result<Timing> {
     let begin = Instant::now();
     let mut warmup_s = 0.0;
@@ -120,13 +185,7 @@ fn time_steps<B: Backend>(
         ),
         None => (None, Some(model)),
     };
-    let mut start = Instant::now();
-    for step in 0..=args.steps {
-        if step == 1 {
-            B::sync(&device).map_err(|e| anyhow::anyhow!("{e:?}"))?;
-            start = Instant::now();
-            warmup_s = begin.elapsed().as_secs_f64();
-        }
+    let mut train_step = |step: usize| {
         let (inputs, labels) = inputs_and_labels(tokens::<B>(config, args.batch, args.seq, step, &device));
         if let Some(f) = wrapped.as_mut() {
             let logits = f.forward(|m, runner| m.forward_with(inputs, runner));
@@ -137,29 +196,82 @@ fn time_steps<B: Backend>(
             let grads = GradientsParams::from_grads(loss.backward(), &m);
             plain = Some(optim.step(m, grads));
         }
+    };
+    let sync = || B::sync(&device).map_err(|e| anyhow::anyhow!("{e:?}"));
+    let mut start = Instant::now();
+    for step in 0..=args.steps {
+        if step == 1 {
+            sync()?;
+            start = Instant::now();
+            warmup_s = begin.elapsed().as_secs_f64();
+        }
+        train_step(step);
     }
-    B::sync(&device).map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    Ok(Timing { warmup_s, step_s: start.elapsed().as_secs_f64() / args.steps.max(1) as f64 })
+    sync()?;
+    let step_s = start.elapsed().as_secs_f64() / args.steps.max(1) as f64;
+    let kernels = match timers {
+        Some((platform, index)) => {
+            set_kernel_timing(platform, index, true);
+            let measured = take_kernel_time(platform, index)
+                .map_err(anyhow::Error::from)
+                .and_then(|_| {
+                    train_step(args.steps + 1);
+                    sync()
+                })
+                .and_then(|()| Ok(take_kernel_time(platform, index)?));
+            set_kernel_timing(platform, index, false);
+            Some(measured.context("the kernel timers")?)
+        }
+        None => None,
+    };
+    Ok(Timing { warmup_s, step_s, kernels })
 }
 
-fn cuda_proxy(config: &Qwen3Config, args: &GpuBenchArgs, mp: Option<MixedPrecisionPolicy>) -> Result<Timing> {
-    time_steps::<CudaProxy<f32>>(CudaProxyDevice::new(0), config, args, mp)
+/// Our server on `args.device`, with its kernel timers.
+fn ours(config: &Qwen3Config, args: &GpuBenchArgs, mp: Option<MixedPrecisionPolicy>) -> Result<Timing> {
+    match args.device {
+        #[cfg(feature = "cuda-proxy")]
+        BenchDevice::CudaProxy => {
+            let timers = Some((CudaProxyPlatform::NAME, 0));
+            time_steps::<CudaProxy<f32>>(CudaProxyDevice::new(0), config, args, mp, timers)
+        }
+        #[cfg(not(feature = "cuda-proxy"))]
+        BenchDevice::CudaProxy => bail!("--device cuda-proxy: not in this build (needs feature cuda-proxy)"),
+        BenchDevice::Metax => {
+            time_steps::<Metax<f32>>(MetaxDevice::new(0), config, args, mp, Some((MacaPlatform::NAME, 0)))
+        }
+        BenchDevice::MetaxEmu => {
+            let timers = Some((MetaxEmuPlatform::NAME, 0));
+            time_steps::<MetaxEmu<f32>>(MetaxEmuDevice::new(0), config, args, mp, timers)
+        }
+    }
 }
 
+/// Our server on `args.device` under Burn's kernel fusion.
 #[cfg(feature = "burn-cuda")]
-fn cuda_proxy_fused(
-    config: &Qwen3Config,
-    args: &GpuBenchArgs,
-    mp: Option<MixedPrecisionPolicy>,
-) -> Result<Timing> {
-    time_steps::<burn_metax_backend::CudaProxyFused<f32>>(CudaProxyDevice::new(0), config, args, mp)
+fn ours_fused(config: &Qwen3Config, args: &GpuBenchArgs, mp: Option<MixedPrecisionPolicy>) -> Result<Timing> {
+    use burn_metax_backend::{CudaProxyFused, MetaxEmuFused, MetaxFused};
+    match args.device {
+        BenchDevice::CudaProxy => {
+            let timers = Some((CudaProxyPlatform::NAME, 0));
+            time_steps::<CudaProxyFused<f32>>(CudaProxyDevice::new(0), config, args, mp, timers)
+        }
+        BenchDevice::Metax => {
+            let timers = Some((MacaPlatform::NAME, 0));
+            time_steps::<MetaxFused<f32>>(MetaxDevice::new(0), config, args, mp, timers)
+        }
+        BenchDevice::MetaxEmu => {
+            let timers = Some((MetaxEmuPlatform::NAME, 0));
+            time_steps::<MetaxEmuFused<f32>>(MetaxEmuDevice::new(0), config, args, mp, timers)
+        }
+    }
 }
 
 /// Burn's CUDA backend without fusion: the same CubeCL kernels as the proxy, Tracel's server.
 #[cfg(feature = "burn-cuda")]
 fn burn_cuda(config: &Qwen3Config, args: &GpuBenchArgs, mp: Option<MixedPrecisionPolicy>) -> Result<Timing> {
     type Plain = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
-    time_steps::<Plain>(burn_cuda::CudaDevice::new(0), config, args, mp)
+    time_steps::<Plain>(burn_cuda::CudaDevice::new(0), config, args, mp, None)
 }
 
 /// Burn's CUDA backend as users get it (`burn_cuda::Cuda`: fusion on).
@@ -169,7 +281,7 @@ fn burn_cuda_fused(
     args: &GpuBenchArgs,
     mp: Option<MixedPrecisionPolicy>,
 ) -> Result<Timing> {
-    time_steps::<burn_cuda::Cuda<f32>>(burn_cuda::CudaDevice::new(0), config, args, mp)
+    time_steps::<burn_cuda::Cuda<f32>>(burn_cuda::CudaDevice::new(0), config, args, mp, None)
 }
 
 /// Runs `f`, turning a panic (a kernel that failed to compile or launch) into an error.
@@ -187,13 +299,13 @@ fn guarded(f: impl FnOnce() -> Result<Timing>) -> Result<Timing> {
     }
 }
 
-/// Runs the benchmark; `Ok(false)` when no CUDA device is present (after saying why). Fails
-/// (after printing every figure it has) when a variant failed.
+/// Runs the benchmark; `Ok(false)` when the machine has no device of `--device` (after saying
+/// why). Fails (after printing every figure it has) when a variant failed.
 pub fn run(args: &GpuBenchArgs) -> Result<bool> {
     if let Some(v) = args.variants.iter().find(|v| !VARIANTS.contains(&v.as_str())) {
         bail!("--variants: unknown `{v}` (one or more of {})", VARIANTS.join(", "));
     }
-    if let Err(e) = CudaProxyRuntime::first_device() {
+    if let Err(e) = args.device.available()? {
         println!("gpu-bench: skipped: {e}");
         return Ok(false);
     }
@@ -226,6 +338,19 @@ pub fn run(args: &GpuBenchArgs) -> Result<bool> {
                 let warmup = format!("{name}_warmup_seconds: {:.1}", t.warmup_s);
                 println!("{warmup}");
                 lines.push(warmup);
+                // The device's time in kernels against the step's wall time (the rest: the
+                // device waiting for the host).
+                if let Some(k) = t.kernels {
+                    for line in [
+                        format!("{name}_launches_per_step: {}", k.launches + k.untimed),
+                        format!("{name}_kernel_ms_per_step: {:.2}", k.busy_ms),
+                        format!("{name}_step_ms: {:.2}", t.step_s * 1e3),
+                        format!("{name}_kernel_share: {:.3}", k.busy_ms / (t.step_s * 1e3)),
+                    ] {
+                        println!("{line}");
+                        lines.push(line);
+                    }
+                }
                 format!("{name}_tokens_per_sec: {:.1}", tokens / t.step_s)
             }
             Err(e) => {
@@ -238,36 +363,43 @@ pub fn run(args: &GpuBenchArgs) -> Result<bool> {
     };
     // The headline pair (our server and Tracel's on the same kernels) first, then fusion, then
     // f32: a run cut short by a timeout keeps the figures that matter most.
+    let ours_name = args.device.name();
     #[allow(unused_mut)]
-    let mut variants = vec![Variant { name: "cuda_proxy", time: cuda_proxy }];
+    let mut variants = vec![Variant { key: "cuda_proxy", name: ours_name.to_string(), time: ours }];
+    // Burn's CUDA backend runs on the device of the proxy only.
     #[cfg(feature = "burn-cuda")]
-    variants.extend([
-        Variant { name: "burn_cuda", time: burn_cuda },
-        Variant { name: "cuda_proxy_fused", time: cuda_proxy_fused },
-        Variant { name: "burn_cuda_fused", time: burn_cuda_fused },
-    ]);
-    for v in variants.iter().filter(|v| wanted(v.name)) {
+    {
+        let on_cuda = args.device == BenchDevice::CudaProxy;
+        let variant = |key, name: String, time| Variant { key, name, time };
+        if on_cuda {
+            variants.push(variant("burn_cuda", "burn_cuda".into(), burn_cuda));
+        }
+        variants.push(variant("cuda_proxy_fused", format!("{ours_name}_fused"), ours_fused));
+        if on_cuda {
+            variants.push(variant("burn_cuda_fused", "burn_cuda_fused".into(), burn_cuda_fused));
+        }
+    }
+    for v in variants.iter().filter(|v| wanted(v.key)) {
         measure(&format!("{}_fsdp_w1_bf16", v.name), &|| (v.time)(&config, args, Some(bf16)), &mut lines);
     }
-    for v in args.variants.iter().filter(|v| !variants.iter().any(|k| k.name == v.as_str()) && *v != "f32") {
-        let line =
-            format!("{v}_fsdp_w1_bf16_tokens_per_sec: skipped (not in this build: needs feature burn-cuda)");
+    for v in args.variants.iter().filter(|v| !variants.iter().any(|k| k.key == v.as_str()) && *v != "f32") {
+        let why = if cfg!(feature = "burn-cuda") {
+            "Burn's CUDA backend runs with --device cuda-proxy only"
+        } else {
+            "not in this build: needs feature burn-cuda"
+        };
+        let line = format!("{v}_fsdp_w1_bf16_tokens_per_sec: skipped ({why})");
         println!("{line}");
         lines.push(line);
     }
+    let (no_fsdp_f32, fsdp_f32) = (format!("{ours_name}_no_fsdp_f32"), format!("{ours_name}_fsdp_w1_f32"));
     if wanted("f32") {
-        measure("cuda_proxy_no_fsdp_f32", &|| cuda_proxy(&config, args, None), &mut lines);
-        measure(
-            "cuda_proxy_fsdp_w1_f32",
-            &|| cuda_proxy(&config, args, Some(MixedPrecisionPolicy::default())),
-            &mut lines,
-        );
+        measure(&no_fsdp_f32, &|| ours(&config, args, None), &mut lines);
+        measure(&fsdp_f32, &|| ours(&config, args, Some(MixedPrecisionPolicy::default())), &mut lines);
     }
     let mfu = |secs: f64| 6.0 * psi * tokens / secs / (args.peak_tflops * 1e12);
     let mut figures = Vec::new();
-    if let (Some(single), Some(fsdp)) =
-        (secs.get("cuda_proxy_no_fsdp_f32"), secs.get("cuda_proxy_fsdp_w1_f32"))
-    {
+    if let (Some(single), Some(fsdp)) = (secs.get(&no_fsdp_f32), secs.get(&fsdp_f32)) {
         figures.push(format!("fsdp_w1_vs_no_fsdp_tokens_per_sec_ratio: {:.3}", single / fsdp));
     }
     for v in &variants {

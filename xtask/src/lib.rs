@@ -7,7 +7,6 @@ pub mod consolidate;
 pub mod data;
 pub mod env_launch;
 pub mod generate;
-#[cfg(feature = "cuda-proxy")]
 #[cfg(feature = "metax")]
 pub mod gpu_bench;
 pub mod gpu_pack;

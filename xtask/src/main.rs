@@ -34,8 +34,9 @@ enum Command {
     Plan(xtask::plan::PlanArgs),
     /// Backend conformance suite: every op Qwen3 training and FSDP use vs float64 references.
     Conformance(xtask::conformance::ConformanceArgs),
-    /// Qwen3 training throughput, MFU and FSDP W=1 overhead on an NVIDIA GPU (CUDA proxy).
-    #[cfg(feature = "cuda-proxy")]
+    /// Qwen3 training throughput, MFU, kernel share and FSDP W=1 overhead on an NVIDIA GPU
+    /// (CUDA proxy), a MetaX GPU or the emulated device.
+    #[cfg(feature = "metax")]
     #[command(name = "gpu-bench")]
     GpuBench(xtask::gpu_bench::GpuBenchArgs),
     /// Build the GPU pack (release binary with the GPU features, fixtures, manifest) for
@@ -68,7 +69,7 @@ fn main() {
         }
         Command::Qwen3Logits(args) => xtask::logits::run(&args),
         Command::Consolidate(args) => xtask::consolidate::run(&args),
-        #[cfg(feature = "cuda-proxy")]
+        #[cfg(feature = "metax")]
         Command::GpuBench(args) => match xtask::gpu_bench::run(&args) {
             Ok(true) => Ok(()),
             Ok(false) => std::process::exit(3),

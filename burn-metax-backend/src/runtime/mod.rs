@@ -2,8 +2,9 @@
 //! ([`GpuServer`]) with memory pools (cubecl-runtime's memory management over [`GpuStorage`] and
 //! [`PinnedStorage`]), streams ([`GpuStreamBackend`] for cubecl-runtime's `MultiStream`), a kernel
 //! cache (cubecl-cpp + the platform's dialect → the platform's run-time compiler → module →
-//! function), launches, profiling (host timing around stream synchronisation) and the ordering
-//! rule for blocking copies (see [`server`]).
+//! function), launches, profiling (host timing around stream synchronisation; the device's own
+//! timers around each launch with [`set_kernel_timing`]) and the ordering rule for blocking
+//! copies (see [`server`]).
 //!
 //! What differs between GPUs is a [`Platform`]: [`MacaPlatform`] (MetaX: MACA runtime, `mcrtc`,
 //! [`crate::dialect::MacaDialect`]), and with the `cuda-proxy` feature `CudaProxyPlatform`
@@ -17,6 +18,7 @@ mod error;
 mod fence;
 mod host_bytes;
 mod kernel;
+mod kernel_time;
 mod order;
 mod platform;
 pub mod registry;
@@ -34,6 +36,7 @@ pub use emu_platform::{
 pub use error::BackendError;
 pub use fence::Fence;
 pub use host_bytes::{host_bytes_of_device, host_bytes_of_stream, host_bytes_of_this_thread};
+pub use kernel_time::{KernelTime, set_kernel_timing, take_kernel_time};
 pub use order::{StreamOrdering, set_stream_ordering, stream_ordering};
 pub use platform::{
     GpuDevice, MACA_DEVICE_TYPE_ID, MacaDevice, MacaPlatform, Platform, install_maca_driver, maca_driver,

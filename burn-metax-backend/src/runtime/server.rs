@@ -59,6 +59,7 @@ use cubecl_runtime::timestamp_profiler::TimestampProfiler;
 use super::error::BackendError;
 use super::fence::{Fence, server_error};
 use super::kernel::KernelCache;
+use super::kernel_time;
 use super::order::{DeviceOrder, Range, StreamOrdering};
 use super::platform::{GpuDevice, Platform};
 use super::storage::{DEVICE_MEMORY_ALIGNMENT, GpuResource, PinnedBytesController};
@@ -328,11 +329,17 @@ impl<P: Platform> GpuServer<P> {
 
         let loaded = self.kernels.get_or_compile::<P>(&kernel_id, kernel.as_ref(), mode, &logger)?;
         let current = streams.current();
+        // Device timers around the launch, where profiling asked for them (`kernel_time`).
+        let timed = kernel_time::before_launch(P::NAME, self.device, &self.driver, current.handle);
         // SAFETY: every resource comes from a binding held by the caller or by `info_handle`,
         // whose memory stays reserved in the stream's pools until work queued on this stream
         // (which includes the launch) is done with it; cubecl-cpp declares one pointer per buffer
         // and the info pointer last, matching `resources`.
-        unsafe { self.kernels.launch(&loaded, grid, current.handle, &resources)? };
+        let launched = unsafe { self.kernels.launch(&loaded, grid, current.handle, &resources) };
+        if let Some(timed) = timed {
+            timed.after_launch(P::NAME, self.device, &self.driver, current.handle, launched.is_ok());
+        }
+        launched?;
         order_after(&self.order, current.handle, &ranges);
         if current.staging.batch_full() {
             current.staging.seal();

@@ -30,6 +30,13 @@
 //! scale: the batch (ids and labels) and the step's one read of its values. The rotary tables
 //! are built and uploaded once per model and sequence length (`qwen3_burn::RopeCache`), in the
 //! first step, which is not counted.
+//!
+//! At W = 1 the device's kernel timers run as well (`runtime::set_kernel_timing`: a timing
+//! event before and after each launch): `w1_kernel_ms_per_step` is the emulated device's time
+//! in kernels, which says little about a GPU (the kernels run on the CPU); what the run shows
+//! is that every launch of a training step is timed (`w1_timed_launches_per_step` equals
+//! `w1_launches_per_step`). `cargo xtask gpu-bench` sets that time against a step's wall time
+//! (the kernel share).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -39,8 +46,8 @@ use burn::tensor::Tensor;
 use burn_fsdp::comm::{CommError, CommStats, ProcessGroup, ReduceOp, Tag};
 use burn_metax_backend::emu::EmuCounters;
 use burn_metax_backend::runtime::{
-    MetaxEmuPlatform, Platform, StreamOrdering, emu_driver, host_bytes_of_device, host_bytes_of_this_thread,
-    set_stream_ordering,
+    KernelTime, MetaxEmuPlatform, Platform, StreamOrdering, emu_driver, host_bytes_of_device,
+    host_bytes_of_this_thread, set_kernel_timing, set_stream_ordering, take_kernel_time,
 };
 use burn_metax_backend::{MetaxEmu, MetaxEmuDevice, MetaxEmuRuntime};
 
@@ -144,6 +151,8 @@ struct Totals {
     collectives: u64,
     collective_host_bytes: u64,
     host_bytes: u64,
+    /// The devices' kernel timers (configurations with `kernel_timers` only).
+    kernels: KernelTime,
 }
 
 /// One configuration: world size, stream-ordering rule and collectives.
@@ -151,6 +160,8 @@ struct Config {
     world: usize,
     ordering: StreamOrdering,
     collectives: &'static str,
+    /// Whether the devices' kernel timers run (`runtime::set_kernel_timing`).
+    kernel_timers: bool,
 }
 
 /// Whether a run overlaps communication with compute (FSDP's communication thread).
@@ -191,6 +202,9 @@ fn run(config: &Config, steps: usize, overlap: Overlap) -> Result<Totals> {
     let sink = MetricsSink::new(None, true)?;
     let host_bytes =
         || (0..config.world).map(|d| host_bytes_of_device(MetaxEmuPlatform::NAME, d)).sum::<u64>();
+    for device in 0..config.world {
+        set_kernel_timing(MetaxEmuPlatform::NAME, device, config.kernel_timers);
+    }
     let before = read();
     let host_before = host_bytes();
     let wrap = |group: Arc<dyn ProcessGroup<MetaxEmu>>, device: MetaxEmuDevice| {
@@ -198,11 +212,24 @@ fn run(config: &Config, steps: usize, overlap: Overlap) -> Result<Totals> {
             as Arc<dyn ProcessGroup<MetaxEmu>>
     };
     train_fsdp_emu(&args, setup, &sink, &wrap)?;
+    let device = read().since(&before);
+    // After the counters are read: waiting for the timers is a host sync of its own.
+    let mut kernels = KernelTime::default();
+    for d in 0..config.world {
+        set_kernel_timing(MetaxEmuPlatform::NAME, d, false);
+        let k = take_kernel_time(MetaxEmuPlatform::NAME, d).context("the kernel timers")?;
+        kernels = KernelTime {
+            launches: kernels.launches + k.launches,
+            untimed: kernels.untimed + k.untimed,
+            busy_ms: kernels.busy_ms + k.busy_ms,
+        };
+    }
     Ok(Totals {
-        device: read().since(&before),
+        device,
         collectives: counts.calls.load(Ordering::Relaxed),
         collective_host_bytes: counts.host_bytes.load(Ordering::Relaxed),
         host_bytes: host_bytes().saturating_sub(host_before),
+        kernels,
     })
 }
 
@@ -215,6 +242,10 @@ struct PerStep {
     collectives: f64,
     collective_host_bytes: f64,
     host_bytes: f64,
+    /// Launches the kernel timers timed (0 without them).
+    timed_launches: f64,
+    /// Device time in kernels, in ms.
+    kernel_ms: f64,
 }
 
 fn per_step(config: &Config, steps: usize) -> Result<PerStep> {
@@ -239,17 +270,19 @@ fn per_step(config: &Config, steps: usize) -> Result<PerStep> {
             .collective_host_bytes
             .saturating_sub(short_inline.collective_host_bytes)),
         host_bytes: per(long.host_bytes.saturating_sub(short.host_bytes)),
+        timed_launches: per(long.kernels.launches.saturating_sub(short.kernels.launches)),
+        kernel_ms: (long.kernels.busy_ms - short.kernels.busy_ms) / (steps * config.world) as f64,
     })
 }
 
 /// The figures, as `name: value` pairs.
 pub fn figures(steps: usize) -> Result<Vec<(String, f64)>> {
     let steps = steps.max(1);
-    let w1 = per_step(&Config { world: 1, ordering: StreamOrdering::ByNeed, collectives: "device" }, steps)?;
-    let after =
-        per_step(&Config { world: 4, ordering: StreamOrdering::ByNeed, collectives: "device" }, steps)?;
-    let before =
-        per_step(&Config { world: 4, ordering: StreamOrdering::AllStreams, collectives: "host" }, steps)?;
+    let config =
+        |world, ordering, collectives, kernel_timers| Config { world, ordering, collectives, kernel_timers };
+    let w1 = per_step(&config(1, StreamOrdering::ByNeed, "device", true), steps)?;
+    let after = per_step(&config(4, StreamOrdering::ByNeed, "device", false), steps)?;
+    let before = per_step(&config(4, StreamOrdering::AllStreams, "host", false), steps)?;
     for device in 0..4 {
         set_stream_ordering(MetaxEmuPlatform::NAME, device, StreamOrdering::ByNeed);
     }
@@ -287,5 +320,7 @@ pub fn figures(steps: usize) -> Result<Vec<(String, f64)>> {
         ("w4_before_host_syncs_per_step".into(), before.host_syncs),
         ("w4_before_collective_host_bytes_per_step".into(), before.collective_host_bytes),
         ("w4_before_cross_stream_waits_per_collective".into(), waits_per_collective(&before)),
+        ("w1_timed_launches_per_step".into(), w1.timed_launches),
+        ("w1_kernel_ms_per_step".into(), w1.kernel_ms),
     ])
 }
