@@ -290,7 +290,7 @@ fn gpu_bench_prints_every_figure_on_the_emulated_device() {
         // A peak of 0.1 GFLOP/s, so that the emulated device's MFU shows in four decimals.
         peak_tflops: 1e-4,
         out: Some(out.clone()),
-        variants: vec!["cuda_proxy".into(), "f32".into()],
+        variants: vec!["cuda_proxy".into(), "bf16".into(), "f32".into()],
     };
     assert!(run(&args).unwrap(), "the emulated device is always there");
     let text = std::fs::read_to_string(&out).unwrap();
@@ -300,13 +300,25 @@ fn gpu_bench_prints_every_figure_on_the_emulated_device() {
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
     };
-    for run in ["metax_emu_fsdp_w1_bf16", "metax_emu_no_fsdp_f32", "metax_emu_fsdp_w1_f32"] {
+    let runs = [
+        "metax_emu_fsdp_w1_bf16",
+        "metax_emu_no_fsdp_bf16",
+        "metax_emu_no_fsdp_f32",
+        "metax_emu_fsdp_w1_f32",
+    ];
+    for run in runs {
         for name in ["tokens_per_sec", "launches_per_step", "kernel_ms_per_step", "step_ms", "kernel_share"] {
             let value = figure(&format!("{run}_{name}"));
             assert!(value > 0.0 && value.is_finite(), "{run}_{name}: {value}\n{text}");
         }
     }
-    assert!(figure("metax_emu_fsdp_w1_bf16_mfu") > 0.0);
+    assert!(figure("metax_emu_fsdp_w1_bf16_mfu") > 0.0 && figure("metax_emu_no_fsdp_bf16_mfu") > 0.0);
+    // The bf16 run without FSDP runs in bf16: the attention's and the logits' casts to f32 are
+    // launches the f32 run does not make.
+    assert!(
+        figure("metax_emu_no_fsdp_bf16_launches_per_step")
+            > figure("metax_emu_no_fsdp_f32_launches_per_step")
+    );
     assert!(figure("fsdp_w1_vs_no_fsdp_tokens_per_sec_ratio") > 0.0);
     // Burn's CUDA backend has no run on this device.
     assert!(!text.contains("burn_cuda"), "{text}");

@@ -169,7 +169,7 @@ fn every_step_runs_from_the_pack_and_is_reported() {
         "train-qwen3 --device cuda --no-fsdp",
         "train-qwen3 --device cuda-proxy --world-size 4 --offload",
         "train-qwen3 --device cuda --world-size 4",
-        "gpu-bench --preset 0.6b --batch 4 --seq 1024 --steps 3 --variants cuda_proxy,burn_cuda",
+        "gpu-bench --preset 0.6b --batch 4 --seq 1024 --steps 3 --variants cuda_proxy,burn_cuda,bf16",
     ] {
         assert!(calls.contains(expected), "{expected} not in {calls}");
     }

@@ -26,8 +26,9 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
+use burn::module::{Module, ModuleMapper, Param};
 use burn::optim::GradientsParams;
-use burn::tensor::backend::Backend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_fsdp::{DeviceMesh, Fsdp, FsdpConfig, LocalGroup, MixedPrecisionPolicy, ProcessGroup};
 #[cfg(feature = "cuda-proxy")]
@@ -102,19 +103,21 @@ pub struct GpuBenchArgs {
     #[arg(long)]
     pub out: Option<std::path::PathBuf>,
     /// Which runs to measure, comma-separated: `cuda_proxy` (our server on `--device`),
-    /// `burn_cuda`, `cuda_proxy_fused`, `burn_cuda_fused` (FSDP W = 1, bf16 each) and `f32` (our
-    /// server without FSDP and with FSDP at W = 1, f32). All by default; the two `burn_cuda*`
-    /// and the fused ones need a build with `burn-cuda`.
+    /// `burn_cuda`, `cuda_proxy_fused`, `burn_cuda_fused` (FSDP W = 1, bf16 mixed precision
+    /// each), `bf16` (our server without FSDP, all in bf16) and `f32` (our server without FSDP
+    /// and with FSDP at W = 1, f32). All by default; the two `burn_cuda*` and the fused ones
+    /// need a build with `burn-cuda`.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "cuda_proxy,burn_cuda,cuda_proxy_fused,burn_cuda_fused,f32"
+        default_value = "cuda_proxy,burn_cuda,cuda_proxy_fused,burn_cuda_fused,bf16,f32"
     )]
     pub variants: Vec<String>,
 }
 
 /// The names `--variants` accepts.
-pub const VARIANTS: [&str; 5] = ["cuda_proxy", "burn_cuda", "cuda_proxy_fused", "burn_cuda_fused", "f32"];
+pub const VARIANTS: [&str; 6] =
+    ["cuda_proxy", "burn_cuda", "cuda_proxy_fused", "burn_cuda_fused", "bf16", "f32"];
 
 /// How long a run took: the warm-up (model init and the first step, which compiles and
 /// autotunes every kernel) and each timed step after it.
@@ -127,6 +130,32 @@ struct Timing {
     kernels: Option<KernelTime>,
 }
 
+/// How a run trains.
+#[derive(Debug, Clone, Copy)]
+enum Mode {
+    /// Without FSDP, every parameter (hence activations, gradients and AdamW's moments) in this
+    /// dtype: `BF16` is a bf16 step without FSDP's casts and f32 master weights (Burn has no
+    /// autocast).
+    Plain(DType),
+    /// FSDP over one rank under this mixed-precision policy.
+    Fsdp(MixedPrecisionPolicy),
+}
+
+/// Casts every float parameter to a dtype, keeping it trainable.
+struct CastParams(DType);
+
+impl<B: AutodiffBackend> ModuleMapper<B> for CastParams {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let dtype = self.0;
+        param.map(|t| {
+            let grad = t.is_require_grad();
+            // Cast outside the graph, so that the parameter stays a leaf.
+            let t = Tensor::from_inner(t.inner().cast(dtype));
+            if grad { t.require_grad() } else { t }
+        })
+    }
+}
+
 /// Whose kernel timers a run reads: a platform's name and the device ordinal.
 type Timers = Option<(&'static str, usize)>;
 
@@ -135,7 +164,7 @@ type Timers = Option<(&'static str, usize)>;
 struct Variant {
     key: &'static str,
     name: String,
-    time: fn(&Qwen3Config, &GpuBenchArgs, Option<MixedPrecisionPolicy>) -> Result<Timing>,
+    time: fn(&Qwen3Config, &GpuBenchArgs, Mode) -> Result<Timing>,
 }
 
 fn tokens<B: Backend>(
@@ -151,15 +180,14 @@ fn tokens<B: Backend>(
 }
 
 /// Seconds of the warm-up (model init and one step, which also autotunes) and per step of
-/// `steps` timed steps after it, on backend `B` at `device`: no FSDP (`fsdp` = None) or FSDP
-/// over one rank with `mp` mixed precision. With `timers`, one more step runs with the
+/// `steps` timed steps after it, on backend `B` at `device`, as `mode` says. With `timers`, one more step runs with the
 /// device's kernel timers on (two events per launch cost host time, so that step is not among
 /// the timed ones) and its kernel time is returned.
 fn time_steps<B: Backend>(
     device: B::Device,
     config: &Qwen3Config,
     args: &GpuBenchArgs,
-    fsdp: Option<MixedPrecisionPolicy>,
+    mode: Mode,
     timers: Timers,
 ) -> Result<Timing> {
     let begin = Instant::now();
@@ -170,8 +198,8 @@ fn time_steps<B: Backend>(
     let group: Arc<dyn ProcessGroup<B>> =
         LocalGroup::new_group(1, std::time::Duration::from_secs(600)).pop().context("no rank")?;
     let mesh = DeviceMesh::new_1d(group, device.clone());
-    let (mut wrapped, mut plain) = match fsdp {
-        Some(mp_policy) => (
+    let (mut wrapped, mut plain) = match mode {
+        Mode::Fsdp(mp_policy) => (
             Some(Fsdp::wrap(
                 model,
                 &mesh,
@@ -183,7 +211,8 @@ fn time_steps<B: Backend>(
             )?),
             None,
         ),
-        None => (None, Some(model)),
+        Mode::Plain(DType::F32) => (None, Some(model)),
+        Mode::Plain(dtype) => (None, Some(model.map(&mut CastParams(dtype)))),
     };
     let mut train_step = |step: usize| {
         let (inputs, labels) = inputs_and_labels(tokens::<B>(config, args.batch, args.seq, step, &device));
@@ -228,60 +257,91 @@ fn time_steps<B: Backend>(
 }
 
 /// Our server on `args.device`, with its kernel timers.
-fn ours(config: &Qwen3Config, args: &GpuBenchArgs, mp: Option<MixedPrecisionPolicy>) -> Result<Timing> {
+fn ours(config: &Qwen3Config, args: &GpuBenchArgs, mode: Mode) -> Result<Timing> {
     match args.device {
         #[cfg(feature = "cuda-proxy")]
         BenchDevice::CudaProxy => {
             let timers = Some((CudaProxyPlatform::NAME, 0));
-            time_steps::<CudaProxy<f32>>(CudaProxyDevice::new(0), config, args, mp, timers)
+            time_steps::<CudaProxy<f32>>(CudaProxyDevice::new(0), config, args, mode, timers)
         }
         #[cfg(not(feature = "cuda-proxy"))]
         BenchDevice::CudaProxy => bail!("--device cuda-proxy: not in this build (needs feature cuda-proxy)"),
         BenchDevice::Metax => {
-            time_steps::<Metax<f32>>(MetaxDevice::new(0), config, args, mp, Some((MacaPlatform::NAME, 0)))
+            time_steps::<Metax<f32>>(MetaxDevice::new(0), config, args, mode, Some((MacaPlatform::NAME, 0)))
         }
         BenchDevice::MetaxEmu => {
             let timers = Some((MetaxEmuPlatform::NAME, 0));
-            time_steps::<MetaxEmu<f32>>(MetaxEmuDevice::new(0), config, args, mp, timers)
+            time_steps::<MetaxEmu<f32>>(MetaxEmuDevice::new(0), config, args, mode, timers)
         }
     }
 }
 
 /// Our server on `args.device` under Burn's kernel fusion.
 #[cfg(feature = "burn-cuda")]
-fn ours_fused(config: &Qwen3Config, args: &GpuBenchArgs, mp: Option<MixedPrecisionPolicy>) -> Result<Timing> {
+fn ours_fused(config: &Qwen3Config, args: &GpuBenchArgs, mode: Mode) -> Result<Timing> {
     use burn_metax_backend::{CudaProxyFused, MetaxEmuFused, MetaxFused};
     match args.device {
         BenchDevice::CudaProxy => {
             let timers = Some((CudaProxyPlatform::NAME, 0));
-            time_steps::<CudaProxyFused<f32>>(CudaProxyDevice::new(0), config, args, mp, timers)
+            time_steps::<CudaProxyFused<f32>>(CudaProxyDevice::new(0), config, args, mode, timers)
         }
         BenchDevice::Metax => {
             let timers = Some((MacaPlatform::NAME, 0));
-            time_steps::<MetaxFused<f32>>(MetaxDevice::new(0), config, args, mp, timers)
+            time_steps::<MetaxFused<f32>>(MetaxDevice::new(0), config, args, mode, timers)
         }
         BenchDevice::MetaxEmu => {
             let timers = Some((MetaxEmuPlatform::NAME, 0));
-            time_steps::<MetaxEmuFused<f32>>(MetaxEmuDevice::new(0), config, args, mp, timers)
+            time_steps::<MetaxEmuFused<f32>>(MetaxEmuDevice::new(0), config, args, mode, timers)
         }
     }
 }
 
 /// Burn's CUDA backend without fusion: the same CubeCL kernels as the proxy, Tracel's server.
 #[cfg(feature = "burn-cuda")]
-fn burn_cuda(config: &Qwen3Config, args: &GpuBenchArgs, mp: Option<MixedPrecisionPolicy>) -> Result<Timing> {
+fn burn_cuda(config: &Qwen3Config, args: &GpuBenchArgs, mode: Mode) -> Result<Timing> {
     type Plain = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
-    time_steps::<Plain>(burn_cuda::CudaDevice::new(0), config, args, mp, None)
+    time_steps::<Plain>(burn_cuda::CudaDevice::new(0), config, args, mode, None)
 }
 
 /// Burn's CUDA backend as users get it (`burn_cuda::Cuda`: fusion on).
 #[cfg(feature = "burn-cuda")]
-fn burn_cuda_fused(
-    config: &Qwen3Config,
-    args: &GpuBenchArgs,
-    mp: Option<MixedPrecisionPolicy>,
-) -> Result<Timing> {
-    time_steps::<burn_cuda::Cuda<f32>>(burn_cuda::CudaDevice::new(0), config, args, mp, None)
+fn burn_cuda_fused(config: &Qwen3Config, args: &GpuBenchArgs, mode: Mode) -> Result<Timing> {
+    time_steps::<burn_cuda::Cuda<f32>>(burn_cuda::CudaDevice::new(0), config, args, mode, None)
+}
+
+/// The figures: printed, and written line by line to `--out` as they come, so that a run cut
+/// short by a timeout leaves the figures it has.
+struct Figures {
+    file: Option<(std::path::PathBuf, std::fs::File)>,
+    /// The first failed write, reported by [`Figures::finish`].
+    error: Option<anyhow::Error>,
+}
+
+impl Figures {
+    fn create(path: Option<&std::path::Path>) -> Result<Self> {
+        let file = match path {
+            Some(p) => Some((
+                p.to_path_buf(),
+                std::fs::File::create(p).with_context(|| format!("--out: creating {}", p.display()))?,
+            )),
+            None => None,
+        };
+        Ok(Self { file, error: None })
+    }
+
+    fn emit(&mut self, line: String) {
+        use std::io::Write;
+        println!("{line}");
+        if let (Some((path, file)), None) = (&mut self.file, &self.error)
+            && let Err(e) = writeln!(file, "{line}").and_then(|()| file.flush())
+        {
+            self.error = Some(anyhow::Error::new(e).context(format!("writing {}", path.display())));
+        }
+    }
+
+    fn finish(self) -> Result<()> {
+        self.error.map_or(Ok(()), Err)
+    }
 }
 
 /// Runs `f`, turning a panic (a kernel that failed to compile or launch) into an error.
@@ -322,49 +382,42 @@ pub fn run(args: &GpuBenchArgs) -> Result<bool> {
         reduce_dtype: Some(DType::F32),
         output_dtype: None,
     };
-    let mut lines =
-        vec![format!("gpu_bench_params: {psi:.0}"), format!("gpu_bench_tokens_per_step: {tokens:.0}")];
-    for l in &lines {
-        println!("{l}");
-    }
+    let mut out = Figures::create(args.out.as_deref())?;
+    out.emit(format!("gpu_bench_params: {psi:.0}"));
+    out.emit(format!("gpu_bench_tokens_per_step: {tokens:.0}"));
+    let mfu = |secs: f64| 6.0 * psi * tokens / secs / (args.peak_tflops * 1e12);
     let mut failed = Vec::new();
     // name → seconds per step, for the ratios.
     let mut secs = std::collections::BTreeMap::new();
-    let mut measure = |name: &str, run: &dyn Fn() -> Result<Timing>, lines: &mut Vec<String>| {
-        let line = match guarded(run) {
-            Ok(t) => {
-                secs.insert(name.to_string(), t.step_s);
-                // The warm-up (compiling and autotuning every kernel) on a line of its own.
-                let warmup = format!("{name}_warmup_seconds: {:.1}", t.warmup_s);
-                println!("{warmup}");
-                lines.push(warmup);
-                // The device's time in kernels against the step's wall time (the rest: the
-                // device waiting for the host).
-                if let Some(k) = t.kernels {
-                    for line in [
-                        format!("{name}_launches_per_step: {}", k.launches + k.untimed),
-                        format!("{name}_kernel_ms_per_step: {:.2}", k.busy_ms),
-                        format!("{name}_step_ms: {:.2}", t.step_s * 1e3),
-                        format!("{name}_kernel_share: {:.3}", k.busy_ms / (t.step_s * 1e3)),
-                    ] {
-                        println!("{line}");
-                        lines.push(line);
-                    }
-                }
-                format!("{name}_tokens_per_sec: {:.1}", tokens / t.step_s)
+    let mut measure = |name: &str, run: &dyn Fn() -> Result<Timing>, out: &mut Figures| match guarded(run) {
+        Ok(t) => {
+            secs.insert(name.to_string(), t.step_s);
+            // The warm-up (compiling and autotuning every kernel) on a line of its own.
+            out.emit(format!("{name}_warmup_seconds: {:.1}", t.warmup_s));
+            // The device's time in kernels against the step's wall time (the rest: the device
+            // waiting for the host).
+            if let Some(k) = t.kernels {
+                out.emit(format!("{name}_launches_per_step: {}", k.launches + k.untimed));
+                out.emit(format!("{name}_kernel_ms_per_step: {:.2}", k.busy_ms));
+                out.emit(format!("{name}_step_ms: {:.2}", t.step_s * 1e3));
+                out.emit(format!("{name}_kernel_share: {:.3}", k.busy_ms / (t.step_s * 1e3)));
             }
-            Err(e) => {
-                failed.push(name.to_string());
-                format!("{name}_tokens_per_sec: failed ({e:#})")
+            out.emit(format!("{name}_tokens_per_sec: {:.1}", tokens / t.step_s));
+            // MFU against the bf16 peak, for the bf16 runs.
+            if name.ends_with("_bf16") {
+                out.emit(format!("{name}_mfu: {:.4}", mfu(t.step_s)));
             }
-        };
-        println!("{line}");
-        lines.push(line);
+        }
+        Err(e) => {
+            failed.push(name.to_string());
+            out.emit(format!("{name}_tokens_per_sec: failed ({e:#})"));
+        }
     };
     // The headline pair (our server and Tracel's on the same kernels) first, then fusion, then
     // f32: a run cut short by a timeout keeps the figures that matter most.
     let ours_name = args.device.name();
-    #[allow(unused_mut)]
+    // Builds with burn-cuda push Burn's CUDA runs and the fused ones.
+    #[allow(unused_mut, clippy::useless_vec)]
     let mut variants = vec![Variant { key: "cuda_proxy", name: ours_name.to_string(), time: ours }];
     // Burn's CUDA backend runs on the device of the proxy only.
     #[cfg(feature = "burn-cuda")]
@@ -380,48 +433,40 @@ pub fn run(args: &GpuBenchArgs) -> Result<bool> {
         }
     }
     for v in variants.iter().filter(|v| wanted(v.key)) {
-        measure(&format!("{}_fsdp_w1_bf16", v.name), &|| (v.time)(&config, args, Some(bf16)), &mut lines);
+        measure(&format!("{}_fsdp_w1_bf16", v.name), &|| (v.time)(&config, args, Mode::Fsdp(bf16)), &mut out);
     }
-    for v in args.variants.iter().filter(|v| !variants.iter().any(|k| k.key == v.as_str()) && *v != "f32") {
+    let no_fsdp_bf16 = format!("{ours_name}_no_fsdp_bf16");
+    if wanted("bf16") {
+        measure(&no_fsdp_bf16, &|| ours(&config, args, Mode::Plain(DType::BF16)), &mut out);
+    }
+    let not_a_variant = |v: &str| v == "f32" || v == "bf16";
+    for v in
+        args.variants.iter().filter(|v| !variants.iter().any(|k| k.key == v.as_str()) && !not_a_variant(v))
+    {
         let why = if cfg!(feature = "burn-cuda") {
             "Burn's CUDA backend runs with --device cuda-proxy only"
         } else {
             "not in this build: needs feature burn-cuda"
         };
-        let line = format!("{v}_fsdp_w1_bf16_tokens_per_sec: skipped ({why})");
-        println!("{line}");
-        lines.push(line);
+        out.emit(format!("{v}_fsdp_w1_bf16_tokens_per_sec: skipped ({why})"));
     }
     let (no_fsdp_f32, fsdp_f32) = (format!("{ours_name}_no_fsdp_f32"), format!("{ours_name}_fsdp_w1_f32"));
     if wanted("f32") {
-        measure(&no_fsdp_f32, &|| ours(&config, args, None), &mut lines);
-        measure(&fsdp_f32, &|| ours(&config, args, Some(MixedPrecisionPolicy::default())), &mut lines);
+        measure(&no_fsdp_f32, &|| ours(&config, args, Mode::Plain(DType::F32)), &mut out);
+        let f32_policy = Mode::Fsdp(MixedPrecisionPolicy::default());
+        measure(&fsdp_f32, &|| ours(&config, args, f32_policy), &mut out);
     }
-    let mfu = |secs: f64| 6.0 * psi * tokens / secs / (args.peak_tflops * 1e12);
-    let mut figures = Vec::new();
     if let (Some(single), Some(fsdp)) = (secs.get(&no_fsdp_f32), secs.get(&fsdp_f32)) {
-        figures.push(format!("fsdp_w1_vs_no_fsdp_tokens_per_sec_ratio: {:.3}", single / fsdp));
-    }
-    for v in &variants {
-        if let Some(s) = secs.get(&format!("{}_fsdp_w1_bf16", v.name)) {
-            figures.push(format!("{}_fsdp_w1_bf16_mfu: {:.4}", v.name, mfu(*s)));
-        }
+        out.emit(format!("fsdp_w1_vs_no_fsdp_tokens_per_sec_ratio: {:.3}", single / fsdp));
     }
     // Our server against Tracel's on the same kernels: > 1 means the proxy is faster.
     for (ours, theirs) in [("cuda_proxy", "burn_cuda"), ("cuda_proxy_fused", "burn_cuda_fused")] {
         let key = |n: &str| format!("{n}_fsdp_w1_bf16");
         if let (Some(a), Some(b)) = (secs.get(&key(ours)), secs.get(&key(theirs))) {
-            figures.push(format!("{ours}_vs_{theirs}_fsdp_w1_bf16_tokens_per_sec_ratio: {:.3}", b / a));
+            out.emit(format!("{ours}_vs_{theirs}_fsdp_w1_bf16_tokens_per_sec_ratio: {:.3}", b / a));
         }
     }
-    for f in figures {
-        println!("{f}");
-        lines.push(f);
-    }
-    if let Some(path) = &args.out {
-        std::fs::write(path, lines.join("\n") + "\n")
-            .with_context(|| format!("writing {}", path.display()))?;
-    }
+    out.finish()?;
     if !failed.is_empty() {
         bail!("gpu-bench: {} failed: {}", failed.len(), failed.join(", "));
     }
