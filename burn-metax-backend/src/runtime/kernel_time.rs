@@ -58,6 +58,8 @@ static TIMERS: Mutex<Vec<DeviceTimer>> = Mutex::new(Vec::new());
 /// At most this many launches per device wait for [`take_kernel_time`]; later ones go untimed,
 /// so that timing left on without a take holds a bounded number of events.
 const MAX_PENDING: usize = 1 << 20;
+/// How long [`take_kernel_time`] waits for the timed kernels to finish.
+const WAIT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
 /// How many devices have the switch on: the launch path reads only this while it is 0.
 static ON: AtomicUsize = AtomicUsize::new(0);
 
@@ -119,7 +121,8 @@ pub fn set_kernel_timing(platform: &'static str, device: usize, on: bool) -> boo
 /// is left as it was.
 ///
 /// # Errors
-/// A driver call failed (the device is poisoned, or an event wait timed out).
+/// A driver call failed (the device is poisoned), or the timed kernels had not finished after
+/// 10 minutes.
 pub fn take_kernel_time(platform: &str, device: usize) -> Result<KernelTime, DriverError> {
     let (driver, pending, untimed) = {
         let mut timers = timers();
@@ -136,7 +139,20 @@ pub fn take_kernel_time(platform: &str, device: usize) -> Result<KernelTime, Dri
             .spawn(|| -> Result<f64, DriverError> {
                 driver.set_device(device)?;
                 let mut busy_ms = 0.0;
+                let deadline = std::time::Instant::now() + WAIT_TIMEOUT;
                 for &(start, end) in &pending {
+                    // Polled with a deadline: a device that never gets there is an error, not a
+                    // hang of the caller.
+                    while !driver.event_query(end)? {
+                        if std::time::Instant::now() > deadline {
+                            return Err(DriverError::Timeout {
+                                call: "the kernel timers' event wait",
+                                seconds: WAIT_TIMEOUT.as_secs(),
+                            });
+                        }
+                        std::thread::sleep(std::time::Duration::from_micros(100));
+                    }
+                    // Reached: returns at once, with the device's error if it has one.
                     driver.event_synchronize(end)?;
                     busy_ms += f64::from(driver.event_elapsed_ms(start, end)?);
                 }
