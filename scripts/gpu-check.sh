@@ -252,9 +252,10 @@ else
   # The pair that compares the servers, then our server without FSDP in bf16 (its kernels are
   # mostly the pair's, compiled by then); the fused variants and f32: `xtask gpu-bench` alone.
   # Cold, the proxy's warm-up (compile + autotune) alone took 92 s (stop 38); burn_cuda's more.
-  # gpu-bench writes each figure as it comes, so a timeout keeps those of the runs done.
+  # gpu-bench writes each figure as it comes, so a timeout keeps those of the runs done;
+  # autotune.log says which kernel autotune chose per key (tensor-core matmuls or not).
   maybe throughput 140 "$X" gpu-bench --preset 0.6b --batch 4 --seq 1024 --steps 3 \
-    --variants cuda_proxy,burn_cuda,bf16 --out "$OUT_DIR/gpu-bench.txt"
+    --variants cuda_proxy,burn_cuda,bf16 --out "$OUT_DIR/gpu-bench.txt" --autotune-log "$OUT_DIR/autotune.log"
   if selected throughput; then
     step throughput-floor 5 at_least "$OUT_DIR/gpu-bench.txt" cuda_proxy_fsdp_w1_bf16_tokens_per_sec "$MIN_TOKENS_PER_SEC"
   fi

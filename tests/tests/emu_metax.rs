@@ -290,6 +290,7 @@ fn gpu_bench_prints_every_figure_on_the_emulated_device() {
         // A peak of 0.1 GFLOP/s, so that the emulated device's MFU shows in four decimals.
         peak_tflops: 1e-4,
         out: Some(out.clone()),
+        autotune_log: None,
         variants: vec!["cuda_proxy".into(), "bf16".into(), "f32".into()],
     };
     assert!(run(&args).unwrap(), "the emulated device is always there");

@@ -89,8 +89,10 @@ case "$1" in
     mkdir -p "$out"
     echo '{{"worst_loss_rel_diff": {worst_loss_rel_diff}, "worst_grad_norm_rel_diff": 2e-6}}' > "$out/summary.json";;
   gpu-bench)
-    while [ $# -gt 0 ]; do [ "$1" = --out ] && out="$2"; shift; done
-    echo "cuda_proxy_fsdp_w1_bf16_tokens_per_sec: 6400.0" > "$out";;
+    tune=""
+    while [ $# -gt 0 ]; do [ "$1" = --out ] && out="$2"; [ "$1" = --autotune-log ] && tune="$2"; shift; done
+    echo "cuda_proxy_fsdp_w1_bf16_tokens_per_sec: 6400.0" > "$out"
+    if [ -n "$tune" ]; then echo "Fastest result matmul" > "$tune"; fi;;
 esac
 "#
     );
@@ -157,7 +159,13 @@ fn every_step_runs_from_the_pack_and_is_reported() {
     // The archive holds the report and every log, not the unpacked binary.
     let listing = Command::new("tar").arg("tzf").arg(&archive).output().unwrap();
     let listing = String::from_utf8_lossy(&listing.stdout);
-    for file in ["./gpu-report.json", "./conformance.log", "./run-fsdp4/summary.json", "./gpu-bench.txt"] {
+    for file in [
+        "./gpu-report.json",
+        "./conformance.log",
+        "./run-fsdp4/summary.json",
+        "./gpu-bench.txt",
+        "./autotune.log",
+    ] {
         assert!(listing.lines().any(|l| l == file), "{file} not in the archive: {listing}");
     }
     assert!(!listing.contains("bin/xtask"), "{listing}");
@@ -170,6 +178,7 @@ fn every_step_runs_from_the_pack_and_is_reported() {
         "train-qwen3 --device cuda-proxy --world-size 4 --offload",
         "train-qwen3 --device cuda --world-size 4",
         "gpu-bench --preset 0.6b --batch 4 --seq 1024 --steps 3 --variants cuda_proxy,burn_cuda,bf16",
+        "--autotune-log",
     ] {
         assert!(calls.contains(expected), "{expected} not in {calls}");
     }

@@ -102,6 +102,11 @@ pub struct GpuBenchArgs {
     /// Write the figures (`name: value` lines) to this file as well.
     #[arg(long)]
     pub out: Option<std::path::PathBuf>,
+    /// Write which kernel CubeCL's autotune chose for each key, with the three best candidates'
+    /// times, to this file (`runtime::log_autotune_choices`; builds with autotune, such as the
+    /// GPU pack): whether the tensor-core matmuls won.
+    #[arg(long)]
+    pub autotune_log: Option<std::path::PathBuf>,
     /// Which runs to measure, comma-separated: `cuda_proxy` (our server on `--device`),
     /// `burn_cuda`, `cuda_proxy_fused`, `burn_cuda_fused` (FSDP W = 1, bf16 mixed precision
     /// each), `bf16` (our server without FSDP, all in bf16) and `f32` (our server without FSDP
@@ -364,6 +369,11 @@ fn guarded(f: impl FnOnce() -> Result<Timing>) -> Result<Timing> {
 pub fn run(args: &GpuBenchArgs) -> Result<bool> {
     if let Some(v) = args.variants.iter().find(|v| !VARIANTS.contains(&v.as_str())) {
         bail!("--variants: unknown `{v}` (one or more of {})", VARIANTS.join(", "));
+    }
+    // Before any client starts: CubeCL reads its configuration once.
+    if let Some(path) = &args.autotune_log {
+        burn_metax_backend::runtime::log_autotune_choices(path)
+            .map_err(|e| anyhow::anyhow!("--autotune-log: {e}"))?;
     }
     if let Err(e) = args.device.available()? {
         println!("gpu-bench: skipped: {e}");

@@ -10,6 +10,7 @@
 //! [`crate::dialect::MacaDialect`]), and with the `cuda-proxy` feature `CudaProxyPlatform`
 //! (NVIDIA: CUDA driver API, NVRTC, cubecl-cpp's CUDA dialect).
 
+mod autotune_log;
 pub mod compile_cache;
 #[cfg(feature = "cuda-proxy")]
 mod cuda_platform;
@@ -28,6 +29,7 @@ mod storage;
 mod stream;
 mod transfer;
 
+pub use autotune_log::log_autotune_choices;
 #[cfg(feature = "cuda-proxy")]
 pub use cuda_platform::{CUDA_PROXY_DEVICE_TYPE_ID, CudaProxyDevice, CudaProxyPlatform, cuda_driver};
 pub use emu_platform::{
