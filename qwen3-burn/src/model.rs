@@ -195,9 +195,9 @@ pub struct RopeCache {
     entries: std::sync::Arc<std::sync::Mutex<Vec<RopeEntry>>>,
 }
 
-/// One kept pair of tables: what they were built for and, type-erased, `(device, Rope<B>)`.
+/// One kept pair of tables: what they were built for and, type-erased, `(device, Rope<B>)`
+/// (whose type is the backend's).
 struct RopeEntry {
-    backend: std::any::TypeId,
     head_dim: usize,
     theta: u64,
     len: usize,
@@ -221,11 +221,9 @@ impl RopeCache {
         if offset != 0 {
             return Rope::new(head_dim, theta, offset, len, device);
         }
-        let backend = std::any::TypeId::of::<B>();
         let theta_bits = theta.to_bits();
         let matches = |e: &RopeEntry| {
-            e.backend == backend
-                && e.head_dim == head_dim
+            e.head_dim == head_dim
                 && e.theta == theta_bits
                 && e.len == len
                 && e.tables.downcast_ref::<(B::Device, Rope<B>)>().is_some_and(|(d, _)| d == device)
@@ -250,7 +248,6 @@ impl RopeCache {
                 entries.remove(0);
             }
             entries.push(RopeEntry {
-                backend,
                 head_dim,
                 theta: theta_bits,
                 len,

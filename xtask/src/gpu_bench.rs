@@ -31,8 +31,6 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_fsdp::{DeviceMesh, Fsdp, FsdpConfig, LocalGroup, MixedPrecisionPolicy, ProcessGroup};
-#[cfg(feature = "cuda-proxy")]
-use burn_metax_backend::runtime::CudaProxyPlatform;
 use burn_metax_backend::runtime::{
     KernelTime, MacaPlatform, MetaxEmuPlatform, Platform, set_kernel_timing, take_kernel_time,
 };
@@ -60,6 +58,19 @@ impl BenchDevice {
             Self::CudaProxy => "cuda_proxy",
             Self::Metax => "metax",
             Self::MetaxEmu => "metax_emu",
+        }
+    }
+
+    /// The device's platform (`runtime::Platform::NAME`), whose kernel timers our runs read.
+    fn platform(self) -> &'static str {
+        match self {
+            #[cfg(feature = "cuda-proxy")]
+            Self::CudaProxy => burn_metax_backend::runtime::CudaProxyPlatform::NAME,
+            // Not in this build: no run reads its timers.
+            #[cfg(not(feature = "cuda-proxy"))]
+            Self::CudaProxy => "cuda-proxy",
+            Self::Metax => MacaPlatform::NAME,
+            Self::MetaxEmu => MetaxEmuPlatform::NAME,
         }
     }
 
@@ -263,19 +274,16 @@ fn time_steps<B: Backend>(
 
 /// Our server on `args.device`, with its kernel timers.
 fn ours(config: &Qwen3Config, args: &GpuBenchArgs, mode: Mode) -> Result<Timing> {
+    let timers = Some((args.device.platform(), 0));
     match args.device {
         #[cfg(feature = "cuda-proxy")]
         BenchDevice::CudaProxy => {
-            let timers = Some((CudaProxyPlatform::NAME, 0));
             time_steps::<CudaProxy<f32>>(CudaProxyDevice::new(0), config, args, mode, timers)
         }
         #[cfg(not(feature = "cuda-proxy"))]
         BenchDevice::CudaProxy => bail!("--device cuda-proxy: not in this build (needs feature cuda-proxy)"),
-        BenchDevice::Metax => {
-            time_steps::<Metax<f32>>(MetaxDevice::new(0), config, args, mode, Some((MacaPlatform::NAME, 0)))
-        }
+        BenchDevice::Metax => time_steps::<Metax<f32>>(MetaxDevice::new(0), config, args, mode, timers),
         BenchDevice::MetaxEmu => {
-            let timers = Some((MetaxEmuPlatform::NAME, 0));
             time_steps::<MetaxEmu<f32>>(MetaxEmuDevice::new(0), config, args, mode, timers)
         }
     }
@@ -285,17 +293,13 @@ fn ours(config: &Qwen3Config, args: &GpuBenchArgs, mode: Mode) -> Result<Timing>
 #[cfg(feature = "burn-cuda")]
 fn ours_fused(config: &Qwen3Config, args: &GpuBenchArgs, mode: Mode) -> Result<Timing> {
     use burn_metax_backend::{CudaProxyFused, MetaxEmuFused, MetaxFused};
+    let timers = Some((args.device.platform(), 0));
     match args.device {
         BenchDevice::CudaProxy => {
-            let timers = Some((CudaProxyPlatform::NAME, 0));
             time_steps::<CudaProxyFused<f32>>(CudaProxyDevice::new(0), config, args, mode, timers)
         }
-        BenchDevice::Metax => {
-            let timers = Some((MacaPlatform::NAME, 0));
-            time_steps::<MetaxFused<f32>>(MetaxDevice::new(0), config, args, mode, timers)
-        }
+        BenchDevice::Metax => time_steps::<MetaxFused<f32>>(MetaxDevice::new(0), config, args, mode, timers),
         BenchDevice::MetaxEmu => {
-            let timers = Some((MetaxEmuPlatform::NAME, 0));
             time_steps::<MetaxEmuFused<f32>>(MetaxEmuDevice::new(0), config, args, mode, timers)
         }
     }

@@ -40,6 +40,17 @@ pub struct KernelTime {
     pub busy_ms: f64,
 }
 
+impl KernelTime {
+    /// The sum of two measurements (e.g. of two devices).
+    pub fn plus(&self, other: &Self) -> Self {
+        Self {
+            launches: self.launches + other.launches,
+            untimed: self.untimed + other.untimed,
+            busy_ms: self.busy_ms + other.busy_ms,
+        }
+    }
+}
+
 /// The timing state of one device.
 struct DeviceTimer {
     platform: &'static str,
@@ -172,6 +183,8 @@ pub fn take_kernel_time(platform: &str, device: usize) -> Result<KernelTime, Dri
 
 /// A launch being timed: its start event is recorded.
 pub(crate) struct TimedLaunch {
+    platform: &'static str,
+    device: usize,
     start: EventHandle,
     end: EventHandle,
 }
@@ -217,24 +230,17 @@ pub(crate) fn before_launch(
         timer.untimed += 1;
         return None;
     }
-    Some(TimedLaunch { start, end })
+    Some(TimedLaunch { platform, device, start, end })
 }
 
 impl TimedLaunch {
     /// Called by the server just after the launch was queued on `stream` (`launched`: whether it
     /// was): records the end event and keeps the pair for [`take_kernel_time`].
-    pub(crate) fn after_launch(
-        self,
-        platform: &'static str,
-        device: usize,
-        driver: &Arc<dyn Driver>,
-        stream: StreamHandle,
-        launched: bool,
-    ) {
+    pub(crate) fn after_launch(self, driver: &Arc<dyn Driver>, stream: StreamHandle, launched: bool) {
         let recorded = launched && driver.event_record(self.end, stream).is_ok();
         let mut timers = timers();
         // Device timers are never removed: `before_launch` found this one.
-        let Some(timer) = find(&mut timers, platform, device) else { return };
+        let Some(timer) = find(&mut timers, self.platform, self.device) else { return };
         if recorded {
             timer.pending.push((self.start, self.end));
         } else {

@@ -337,7 +337,7 @@ impl<P: Platform> GpuServer<P> {
         // and the info pointer last, matching `resources`.
         let launched = unsafe { self.kernels.launch(&loaded, grid, current.handle, &resources) };
         if let Some(timed) = timed {
-            timed.after_launch(P::NAME, self.device, &self.driver, current.handle, launched.is_ok());
+            timed.after_launch(&self.driver, current.handle, launched.is_ok());
         }
         launched?;
         order_after(&self.order, current.handle, &ranges);

@@ -217,12 +217,7 @@ fn run(config: &Config, steps: usize, overlap: Overlap) -> Result<Totals> {
     let mut kernels = KernelTime::default();
     for d in 0..config.world {
         set_kernel_timing(MetaxEmuPlatform::NAME, d, false);
-        let k = take_kernel_time(MetaxEmuPlatform::NAME, d).context("the kernel timers")?;
-        kernels = KernelTime {
-            launches: kernels.launches + k.launches,
-            untimed: kernels.untimed + k.untimed,
-            busy_ms: kernels.busy_ms + k.busy_ms,
-        };
+        kernels = kernels.plus(&take_kernel_time(MetaxEmuPlatform::NAME, d).context("the kernel timers")?);
     }
     Ok(Totals {
         device,
