@@ -268,17 +268,13 @@ fn the_step_profile_counts_no_collective_byte_through_the_host() {
     }
 }
 
-/// `cargo xtask gpu-bench --device metax-emu`: every figure the GPU run prints is produced on the
-/// emulated device (the tiny preset, a few tokens: the figures say nothing of a GPU's speed),
-/// among them the kernel share from the device's own timers, so that the GPU run's code is
-/// exercised before a GPU is lent. (The timers are per device: other tests' kernels on the same
-/// emulated device meanwhile are counted too, so only the figures' presence is checked here;
-/// `emu_device.rs` checks what the timers measure.)
+/// Run by `gpu_bench_prints_every_figure_on_the_emulated_device` in a child process: its own
+/// emulated device, on which no other test launches kernels while the timers count them.
 #[test]
-fn gpu_bench_prints_every_figure_on_the_emulated_device() {
+#[ignore = "child process of gpu_bench_prints_every_figure_on_the_emulated_device"]
+fn gpu_bench_child() {
     use xtask::gpu_bench::{BenchDevice, GpuBenchArgs, run};
 
-    let _one = ONE_RUN.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("gpu-bench.txt");
     let args = GpuBenchArgs {
@@ -294,7 +290,31 @@ fn gpu_bench_prints_every_figure_on_the_emulated_device() {
         variants: vec!["cuda_proxy".into(), "bf16".into(), "f32".into()],
     };
     assert!(run(&args).unwrap(), "the emulated device is always there");
-    let text = std::fs::read_to_string(&out).unwrap();
+    for line in std::fs::read_to_string(&out).unwrap().lines() {
+        println!("FIGURE {line}");
+    }
+}
+
+/// `cargo xtask gpu-bench --device metax-emu`: every figure the GPU run prints is produced on the
+/// emulated device (the tiny preset, a few tokens: the figures say nothing of a GPU's speed),
+/// among them the kernel share from the device's own timers, so that the GPU run's code is
+/// exercised before a GPU is lent (`emu_device.rs` checks what the timers measure). In a child
+/// process: the timers count every launch on the device, and other tests of this binary launch
+/// on device 0 too.
+#[test]
+fn gpu_bench_prints_every_figure_on_the_emulated_device() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "emu_metax::gpu_bench_child", "--ignored", "--nocapture", "--test-threads=1"])
+        .env("METAX_EMU_DEVICES", "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "child failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let text: String = stdout
+        .lines()
+        .filter_map(|l| l.find("FIGURE ").map(|at| &l[at + 7..]))
+        .collect::<Vec<_>>()
+        .join("\n");
     let figure = |name: &str| -> f64 {
         text.lines()
             .find_map(|l| l.strip_prefix(&format!("{name}: ")))
